@@ -1,0 +1,113 @@
+"""Start and stop kvray on a connected Ray cluster.
+
+``start`` is idempotent: the index is created once (named, detached, restartable) and it puts a
+pool on every alive node, now and whenever a node joins. ``stop`` removes the index first, so it
+cannot re-create the pools being removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+from kvray.actors.index import BlockIndexActor
+from kvray.actors.types import RAY_NAMESPACE, index_name, pool_prefix
+from kvray.config import KVRayConfig
+from kvray.errors import NotStartedError, StoreUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Connect this process to Ray if it is not yet; a clear error instead of a hang."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    except ConnectionError as e:
+        raise StoreUnavailableError(
+            f"kvray: cannot reach a Ray cluster at {address or 'RAY_ADDRESS/auto'}: {e}"
+        ) from e
+
+
+def get_index(namespace: str) -> Any:
+    """The index actor of a namespace, or :class:`NotStartedError`."""
+    try:
+        return ray.get_actor(index_name(namespace), namespace=RAY_NAMESPACE)
+    except ValueError:
+        raise NotStartedError(
+            f"kvray is not started in namespace {namespace!r} on this cluster "
+            f"(run `kvray start --namespace {namespace}` or kvray.start())"
+        ) from None
+
+
+def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
+    """Deploy kvray (index + one pool per alive node) on the connected cluster.
+
+    Calling it again is harmless: an existing index is reused as it is (a different capacity
+    is reported, not applied: stop first to change it). Returns the index's stats.
+    """
+    cfg = (config or KVRayConfig()).replace(**fields) if fields else (config or KVRayConfig())
+    ensure_ray(cfg.address)
+    index = BlockIndexActor.options(  # type: ignore[attr-defined]
+        name=index_name(cfg.namespace),
+        namespace=RAY_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+        max_task_retries=-1,
+        max_concurrency=1000,
+    ).remote(cfg.to_dict())
+    deadline = time.monotonic() + max(cfg.get_timeout_s, 60.0)
+    try:
+        pools = ray.get(index.ensure_pools.remote(), timeout=max(cfg.get_timeout_s, 60.0))
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+        while pools < alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pools = ray.get(index.ensure_pools.remote(), timeout=cfg.get_timeout_s)
+        stats: dict[str, Any] = ray.get(index.stats.remote(), timeout=cfg.get_timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise StoreUnavailableError(
+            f"kvray: the index in namespace {cfg.namespace!r} did not come up in time"
+        ) from e
+    running = stats["config"]
+    if running["capacity"] != cfg.capacity:
+        logger.warning(
+            "kvray already runs in namespace %r with capacity %d (asked %d); kept as it is",
+            cfg.namespace,
+            running["capacity"],
+            cfg.capacity,
+        )
+    logger.info("kvray started in namespace %r: %d pool(s)", cfg.namespace, stats["pools"])
+    return stats
+
+
+def stop(namespace: str = "default") -> int:
+    """Remove kvray's actors (and so its blocks) from the cluster. Returns actors removed."""
+    ensure_ray(None)
+    removed = 0
+    try:
+        index = get_index(namespace)
+    except NotStartedError:
+        index = None
+    if index is not None:
+        try:
+            ray.get(index.shutdown.remote(), timeout=10)
+        except Exception:
+            logger.warning("kvray stop: index did not answer; killing it anyway")
+        ray.kill(index, no_restart=True)
+        removed += 1
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor.get("namespace") == RAY_NAMESPACE and actor["name"].startswith(
+            pool_prefix(namespace)
+        ):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=RAY_NAMESPACE), no_restart=True)
+                removed += 1
+            except ValueError:
+                pass
+    return removed

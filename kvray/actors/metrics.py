@@ -1,0 +1,104 @@
+"""Ray dashboard metrics of the pools and the index (``ray_kvray_*`` at each node's endpoint).
+
+``ray.util.metrics`` objects are cheap to update but must be created inside the process that
+records them, so each actor builds its own set. Tags carry the kvray namespace and node.
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+_LATENCY_BOUNDARIES = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
+
+
+class PoolMetrics:
+    """Counters and gauges of one block pool."""
+
+    def __init__(self, namespace: str, node_id: str) -> None:
+        keys = ("namespace", "node_id")
+        self._tags = {"namespace": namespace, "node_id": node_id}
+        self._hits = metrics.Counter("kvray_pool_hits", "Blocks found by reads", tag_keys=keys)
+        self._misses = metrics.Counter(
+            "kvray_pool_misses", "Blocks asked for and not held", tag_keys=keys
+        )
+        self._stored_blocks = metrics.Counter(
+            "kvray_pool_blocks_stored", "Blocks stored", tag_keys=keys
+        )
+        self._stored_bytes = metrics.Counter(
+            "kvray_pool_bytes_stored", "Bytes stored", tag_keys=keys
+        )
+        self._served_bytes = metrics.Counter(
+            "kvray_pool_bytes_loaded", "Bytes read by clients", tag_keys=keys
+        )
+        self._evictions = metrics.Counter(
+            "kvray_pool_evictions", "Blocks evicted to make room", tag_keys=keys
+        )
+        self._refused = metrics.Counter(
+            "kvray_pool_refused_puts", "Blocks refused for lack of room", tag_keys=keys
+        )
+        self._lost = metrics.Counter(
+            "kvray_pool_lost_blocks", "Blocks found corrupt or lost", tag_keys=keys
+        )
+        self._used = metrics.Gauge("kvray_pool_bytes_used", "Bytes held", tag_keys=keys)
+        self._capacity = metrics.Gauge(
+            "kvray_pool_capacity_bytes", "Capacity of the pool", tag_keys=keys
+        )
+        self._store_latency = metrics.Histogram(
+            "kvray_pool_store_latency_s",
+            "Time for the pool to take ownership of one segment",
+            boundaries=_LATENCY_BOUNDARIES,
+            tag_keys=keys,
+        )
+
+    def capacity(self, n: int) -> None:
+        self._capacity.set(n, tags=self._tags)
+
+    def used(self, n: int) -> None:
+        self._used.set(n, tags=self._tags)
+
+    def stored(self, blocks: int, nbytes: int, seconds: float, used: int) -> None:
+        if blocks:
+            self._stored_blocks.inc(blocks, tags=self._tags)
+            self._stored_bytes.inc(nbytes, tags=self._tags)
+        self._store_latency.observe(seconds, tags=self._tags)
+        self._used.set(used, tags=self._tags)
+
+    def looked_up(self, hits: int, misses: int) -> None:
+        if hits:
+            self._hits.inc(hits, tags=self._tags)
+        if misses:
+            self._misses.inc(misses, tags=self._tags)
+
+    def served(self, nbytes: int) -> None:
+        self._served_bytes.inc(nbytes, tags=self._tags)
+
+    def evicted(self, n: int) -> None:
+        if n:
+            self._evictions.inc(n, tags=self._tags)
+
+    def refused(self, n: int) -> None:
+        self._refused.inc(n, tags=self._tags)
+
+    def lost(self, n: int) -> None:
+        self._lost.inc(n, tags=self._tags)
+
+
+class IndexMetrics:
+    """Gauges of the global index."""
+
+    def __init__(self, namespace: str) -> None:
+        keys = ("namespace",)
+        self._tags = {"namespace": namespace}
+        self._keys = metrics.Gauge("kvray_index_keys", "Keys in the global index", tag_keys=keys)
+        self._pools = metrics.Gauge("kvray_index_pools", "Live block pools", tag_keys=keys)
+        self._purged = metrics.Counter(
+            "kvray_index_purged_keys", "Index entries dropped with a dead pool", tag_keys=keys
+        )
+
+    def size(self, keys: int, pools: int) -> None:
+        self._keys.set(keys, tags=self._tags)
+        self._pools.set(pools, tags=self._tags)
+
+    def purged(self, n: int) -> None:
+        if n:
+            self._purged.inc(n, tags=self._tags)

@@ -1,0 +1,96 @@
+"""Small values exchanged between clients, block pools and the index."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ray import ObjectRef
+
+RAY_NAMESPACE = "kvray"
+"""Every kvray actor lives in this Ray namespace; a kvray namespace is a name prefix inside it."""
+
+
+def index_name(namespace: str) -> str:
+    return f"{namespace}/index"
+
+
+def pool_name(namespace: str, node_id: str) -> str:
+    return f"{namespace}/pool/{node_id}"
+
+
+def pool_prefix(namespace: str) -> str:
+    return f"{namespace}/pool/"
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What happened to the blocks of one ``put``: every block is counted exactly once."""
+
+    stored: int = 0
+    duplicate: int = 0
+    refused: int = 0
+
+    def __add__(self, other: PutResult) -> PutResult:
+        return PutResult(
+            self.stored + other.stored,
+            self.duplicate + other.duplicate,
+            self.refused + other.refused,
+        )
+
+
+@dataclass(frozen=True)
+class BlockLoc:
+    """Where one leased block lives: item ``pos`` of segment object ``seg_id``."""
+
+    seg_id: int
+    pos: int
+    nbytes: int
+    checksum: int
+
+
+@dataclass
+class LeaseReply:
+    """A pool's answer to ``lease``: the found blocks and the pool-owned refs to read them from.
+
+    Segments named here are protected from eviction until ``release(lease_id)`` or expiry.
+    """
+
+    lease_id: int
+    found: dict[bytes, BlockLoc] = field(default_factory=dict)
+    missing: list[bytes] = field(default_factory=list)
+    segments: dict[int, list[ObjectRef]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Everything a pool holds, for the index to rebuild from."""
+
+    node_id: str
+    incarnation: str
+    version: int
+    keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One pool as the index and its clients see it."""
+
+    node_id: str
+    pool_name: str
+    capacity: int
+
+
+@dataclass
+class Changes:
+    """One answer of the index's change feed.
+
+    ``snapshot`` is set when the client must drop its view and rebuild (first call, index
+    restart, or the client fell behind the bounded log). ``records`` are applied in order;
+    each is (node slot, keys added on it, keys removed from it).
+    """
+
+    epoch: str
+    seq: int
+    nodes: dict[int, NodeInfo]
+    snapshot: bool = False
+    records: list[tuple[int, list[bytes], list[bytes]]] = field(default_factory=list)

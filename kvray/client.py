@@ -1,0 +1,391 @@
+"""The client: ``kvray.connect()`` from any process connected to the cluster.
+
+- ``put`` is non-blocking: a background thread checksums the blocks, ``ray.put``s them in
+  segments and hands each to the pool on this node; the Future resolves when the pool owns them.
+- ``lookup`` never calls an actor: a thread long-polls the index's change feed and keeps a local
+  view (key -> holder nodes), so a 64-key prefix match costs microseconds.
+- ``get`` leases the blocks from their holders (this node first), maps or pulls the segments,
+  verifies checksums and returns the bytes, or raises :class:`BlockLostError` naming every key it
+  could not serve. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import ray
+import xxhash
+
+from kvray.actors.deploy import ensure_ray, get_index
+from kvray.actors.types import RAY_NAMESPACE, Changes, LeaseReply, NodeInfo, PutResult
+from kvray.config import KVRayConfig
+from kvray.errors import BlockLostError, StoreUnavailableError
+from kvray.keys import check_keys
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Store", "connect"]
+
+
+def checksum(block: np.ndarray) -> int:
+    """xxh3-64 of a block's bytes: ~25 GB/s, cheap next to moving the bytes."""
+    return xxhash.xxh3_64_intdigest(memoryview(block).cast("B"))
+
+
+def as_bytes_view(block: Any) -> np.ndarray:
+    """A flat uint8 view of a numpy array or CPU torch tensor (no copy when contiguous)."""
+    if isinstance(block, np.ndarray):
+        arr = block
+    elif hasattr(block, "numpy") and hasattr(block, "device"):
+        if block.device.type != "cpu":
+            raise TypeError(f"kvray blocks must be CPU arrays, got a tensor on {block.device}")
+        t = block.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        import torch
+
+        arr = t.reshape(-1).view(torch.uint8).numpy()
+    else:
+        raise TypeError(f"kvray blocks must be numpy arrays or torch tensors, not {type(block)}")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr.reshape(-1).view(np.uint8)
+
+
+class _View:
+    """The local copy of the index: key -> holder slot(s), kept fresh by the feed thread."""
+
+    def __init__(self) -> None:
+        self.where: dict[bytes, int | tuple[int, ...]] = {}
+        self.nodes: dict[int, NodeInfo] = {}
+        self.epoch = ""
+        self.seq = -1
+
+    def apply(self, ch: Changes) -> None:
+        if ch.snapshot:
+            self.where = {}
+        where = self.where
+        for slot, added, removed in ch.records:
+            for k in added:
+                v = where.get(k)
+                if v is None:
+                    where[k] = slot
+                elif isinstance(v, int):
+                    if v != slot:
+                        where[k] = (v, slot)
+                elif slot not in v:
+                    where[k] = (*v, slot)
+            for k in removed:
+                v = where.get(k)
+                if v is None:
+                    continue
+                if isinstance(v, int):
+                    if v == slot:
+                        del where[k]
+                else:
+                    rest = tuple(s for s in v if s != slot)
+                    where[k] = rest[0] if len(rest) == 1 else rest
+        self.nodes = ch.nodes
+        self.epoch, self.seq = ch.epoch, ch.seq
+
+    def holders(self, key: bytes) -> tuple[int, ...]:
+        v = self.where.get(key)
+        if v is None:
+            return ()
+        return (v,) if isinstance(v, int) else v
+
+
+class Store:
+    """A connection to one kvray namespace. Thread-safe; cheap to keep for a process' life."""
+
+    def __init__(self, config: KVRayConfig) -> None:
+        self.config = config
+        ensure_ray(config.address)
+        self._index = get_index(config.namespace)
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._view = _View()
+        self._cv = threading.Condition()
+        self._pools: dict[str, Any] = {}
+        self._closed = threading.Event()
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self._puts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvray-put")
+        self._refused_client = 0
+        self._feed_error: str | None = None
+        self._poll(wait_s=0.0)  # the first snapshot, so lookups work right away
+        self._feed = threading.Thread(target=self._feed_loop, name="kvray-feed", daemon=True)
+        self._feed.start()
+
+    # ------------------------------------------------------------------ feed
+    def _poll(self, wait_s: float) -> None:
+        ref = self._index.changes.remote(self._view.epoch, self._view.seq, wait_s)
+        ch: Changes = ray.get(ref, timeout=wait_s + self.config.get_timeout_s)
+        with self._cv:
+            self._view.apply(ch)
+            self._cv.notify_all()
+
+    def _feed_loop(self) -> None:
+        backoff = 0.1
+        while not self._closed.is_set():
+            try:
+                self._poll(wait_s=1.0)
+                backoff = 0.1
+                self._feed_error = None
+            except ray.exceptions.ActorDiedError:
+                # Killed for good (kvray.stop): a restarting index raises Unavailable instead.
+                self._feed_error = "the kvray index was stopped"
+                logger.info("kvray: index of namespace %r is gone", self.config.namespace)
+                return
+            except Exception as e:
+                if self._closed.is_set() or not ray.is_initialized():
+                    return
+                self._feed_error = f"{type(e).__name__}: {e}"
+                logger.warning("kvray: index feed failed (%s); retrying", self._feed_error)
+                self._closed.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def sync(self, timeout: float = 5.0) -> None:
+        """Wait until the local view reflects everything the index knew when called."""
+        epoch, seq = ray.get(self._index.current.remote(), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not (self._view.epoch == epoch and self._view.seq >= seq):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StoreUnavailableError("kvray: local view did not catch up in time")
+                self._cv.wait(left)
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of ``keys`` held anywhere (local view, no actor call)."""
+        where = self._view.where
+        for i, k in enumerate(keys):
+            if k not in where:
+                return i
+        return len(keys)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._view.where
+
+    # ------------------------------------------------------------------ puts
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Future[PutResult]:
+        """Store blocks under keys in the background; the Future resolves when the pool owns them.
+
+        The caller must not modify the blocks' memory before the Future resolves. Blocks beyond
+        ``max_inflight_put_bytes`` still in flight are refused (counted), never queued.
+        """
+        keys = check_keys(keys)
+        if len(keys) != len(blocks):
+            raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        arrays = [as_bytes_view(b) for b in blocks]
+        fut: Future[PutResult] = Future()
+        todo = [(k, a) for k, a in zip(keys, arrays, strict=True) if k not in self._view.where]
+        dup = len(keys) - len(todo)
+        nbytes = sum(a.nbytes for _, a in todo)
+        if not todo:
+            fut.set_result(PutResult(0, dup, 0))
+            return fut
+        with self._inflight_lock:
+            if self._inflight + nbytes > self.config.max_inflight_put_bytes:
+                self._refused_client += len(todo)
+                fut.set_result(PutResult(0, dup, len(todo)))
+                return fut
+            self._inflight += nbytes
+        return self._puts.submit(self._put_now, todo, dup, nbytes)
+
+    def _put_now(self, todo: list[tuple[bytes, np.ndarray]], dup: int, nbytes: int) -> PutResult:
+        try:
+            pool = self._pool_for_put()
+            pending = []
+            for seg in self._segments(todo):
+                seg_keys = [k for k, _ in seg]
+                sizes = [a.nbytes for _, a in seg]
+                sums = [checksum(a) for _, a in seg]
+                ref = ray.put([a for _, a in seg])
+                pending.append((seg_keys, pool.put_segment.remote(seg_keys, sizes, sums, [ref])))
+            result = PutResult(0, dup, 0)
+            for seg_keys, ref in pending:
+                try:
+                    r: PutResult = ray.get(ref, timeout=self.config.put_timeout_s)
+                except Exception as e:
+                    logger.warning("kvray put: segment of %d blocks failed: %s", len(seg_keys), e)
+                    r = PutResult(0, 0, len(seg_keys))
+                result = result + r
+            return result
+        finally:
+            with self._inflight_lock:
+                self._inflight -= nbytes
+
+    def _segments(self, todo: list[tuple[bytes, np.ndarray]]) -> list[list[tuple[bytes, Any]]]:
+        segs: list[list[tuple[bytes, Any]]] = [[]]
+        size = 0
+        for item in todo:
+            if segs[-1] and size + item[1].nbytes > self.config.segment_bytes:
+                segs.append([])
+                size = 0
+            segs[-1].append(item)
+            size += item[1].nbytes
+        return segs
+
+    def _pool_for_put(self) -> Any:
+        """This node's pool; another one only if this node has none (yet)."""
+        nodes = self._view.nodes
+        mine = [n for n in nodes.values() if n.node_id == self._node_id]
+        info = mine[0] if mine else next(iter(nodes.values()), None)
+        if info is None:
+            raise StoreUnavailableError("kvray: no block pool is alive in this namespace")
+        return self._pool(info)
+
+    def _pool(self, info: NodeInfo) -> Any:
+        handle = self._pools.get(info.pool_name)
+        if handle is None:
+            handle = ray.get_actor(info.pool_name, namespace=RAY_NAMESPACE)
+            self._pools[info.pool_name] = handle
+        return handle
+
+    # ------------------------------------------------------------------ gets
+    def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[np.ndarray]:
+        """The blocks' bytes (read-only uint8 arrays), all or :class:`BlockLostError`."""
+        keys = check_keys(keys)
+        timeout = self.config.get_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        view = self._view
+        got: dict[bytes, np.ndarray] = {}
+        lost: dict[bytes, str] = {}
+        # Each key is tried on its holders in order, this node first.
+        plans: dict[bytes, list[int]] = {}
+        for k in keys:
+            slots = sorted(
+                view.holders(k),
+                key=lambda s: view.nodes[s].node_id != self._node_id if s in view.nodes else 2,
+            )
+            slots = [s for s in slots if s in view.nodes]
+            if slots:
+                plans[k] = slots
+            else:
+                lost[k] = "not in the index"
+        attempt = 0
+        while plans:
+            by_slot: dict[int, list[bytes]] = {}
+            for k, slots in plans.items():
+                by_slot.setdefault(slots[attempt], []).append(k)
+            failed = self._get_from(by_slot, got, deadline)
+            retry: dict[bytes, list[int]] = {}
+            for k, why in failed.items():
+                if attempt + 1 < len(plans[k]):
+                    retry[k] = plans[k]
+                else:
+                    lost[k] = why
+            plans, attempt = retry, attempt + 1
+        if lost:
+            reasons = sorted(set(lost.values()))
+            raise BlockLostError([k for k in keys if k in lost], "; ".join(reasons))
+        return [got[k] for k in keys]
+
+    def _get_from(
+        self, by_slot: dict[int, list[bytes]], got: dict[bytes, np.ndarray], deadline: float
+    ) -> dict[bytes, str]:
+        """Read blocks from their pools; returns key -> why for every key not served."""
+        failed: dict[bytes, str] = {}
+        nodes = self._view.nodes
+        lease_refs = {}
+        for slot, ks in by_slot.items():
+            try:
+                lease_refs[slot] = self._pool(nodes[slot]).lease.remote(ks)
+            except Exception as e:
+                failed.update(dict.fromkeys(ks, f"pool unavailable ({type(e).__name__})"))
+        replies: dict[int, LeaseReply] = {}
+        for slot, ref in lease_refs.items():
+            try:
+                replies[slot] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as e:
+                failed.update(dict.fromkeys(by_slot[slot], f"pool failed ({type(e).__name__})"))
+        try:
+            for slot, reply in replies.items():
+                failed.update(dict.fromkeys(reply.missing, "evicted or never stored"))
+                seg_refs = {sid: refs[0] for sid, refs in reply.segments.items()}
+                try:
+                    values = ray.get(
+                        list(seg_refs.values()),
+                        timeout=max(0.0, deadline - time.monotonic()),
+                    )
+                except Exception as e:
+                    failed.update(dict.fromkeys(reply.found, f"object lost ({type(e).__name__})"))
+                    continue
+                segs = dict(zip(seg_refs, values, strict=True))
+                corrupt: list[bytes] = []
+                for k, loc in reply.found.items():
+                    arr = segs[loc.seg_id][loc.pos]
+                    if arr.nbytes != loc.nbytes or (
+                        self.config.verify_checksums and checksum(arr) != loc.checksum
+                    ):
+                        corrupt.append(k)
+                        failed[k] = "checksum mismatch"
+                    else:
+                        got[k] = arr
+                if corrupt:
+                    self._pool(nodes[slot]).report_lost.remote(corrupt, "checksum mismatch")
+        finally:
+            for slot, reply in replies.items():
+                served = sum(loc.nbytes for k, loc in reply.found.items() if k in got)
+                with contextlib.suppress(Exception):  # else the lease expires on its own
+                    self._pool(nodes[slot]).release.remote(reply.lease_id, served)
+        return failed
+
+    def get_into(self, keys: Sequence[bytes], out: Sequence[Any]) -> None:
+        """Like :meth:`get`, copying each block into the caller's writable buffer."""
+        blocks = self.get(keys)
+        for src, dst in zip(blocks, out, strict=True):
+            np.copyto(as_bytes_view(dst), src)
+
+    # ------------------------------------------------------------------ figures
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Cluster-wide and per-node figures (one call per pool and to the index)."""
+        index_stats = ray.get(self._index.stats.remote(), timeout=timeout)
+        per_node: dict[str, dict[str, Any]] = {}
+        refs = {info.node_id: self._pool(info).stats.remote() for info in self._view.nodes.values()}
+        for node_id, ref in refs.items():
+            try:
+                per_node[node_id] = ray.get(ref, timeout=timeout)
+            except Exception as e:
+                per_node[node_id] = {"error": f"{type(e).__name__}: {e}"}
+        totals: dict[str, int] = {}
+        for s in per_node.values():
+            for k, v in s.items():
+                if isinstance(v, int) and not isinstance(v, bool):
+                    totals[k] = totals.get(k, 0) + v
+        return {
+            "namespace": self.config.namespace,
+            "index": {k: v for k, v in index_stats.items() if k != "config"},
+            "totals": totals,
+            "nodes": per_node,
+            "client": {
+                "view_keys": len(self._view.where),
+                "refused_inflight": self._refused_client,
+            },
+        }
+
+    def close(self) -> None:
+        self._closed.set()
+        self._puts.shutdown(wait=True)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(namespace: str = "default", config: KVRayConfig | None = None) -> Store:
+    """Connect to a running kvray namespace (``kvray.start`` first)."""
+    cfg = config or KVRayConfig(namespace=namespace)
+    if config is not None and namespace != "default" and config.namespace != namespace:
+        cfg = config.replace(namespace=namespace)
+    return Store(cfg)

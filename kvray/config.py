@@ -1,0 +1,230 @@
+"""One validated configuration object for kvray.
+
+The same object is built from ``kv_connector_extra_config`` (vLLM), from CLI flags and from
+``kvray.start(...)`` keyword arguments, so a value means the same thing everywhere and a bad one
+fails in the same way: one :class:`ConfigError` that names the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["ConfigError", "KVRayConfig", "format_bytes", "parse_bytes"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field and the value."""
+
+    def __init__(self, field_name: str, value: object, reason: str) -> None:
+        super().__init__(f"kvray config: invalid {field_name}={value!r}: {reason}")
+        self.field_name = field_name
+        self.value = value
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str, field_name: str = "size") -> int:
+    """Parse ``4GiB``, ``512MB``, ``1e9`` or an int into bytes (GiB = 2**30, GB = 10**9)."""
+    if isinstance(value, bool):
+        raise ConfigError(field_name, value, "expected a size such as 4GiB or a byte count")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(field_name, value, "expected a finite size")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m is None:
+            try:
+                n = int(float(value))
+            except ValueError:
+                raise ConfigError(
+                    field_name, value, "expected a size such as 4GiB, 512MB or 1048576"
+                ) from None
+        else:
+            unit = m.group(2).lower()
+            if unit not in _UNITS:
+                raise ConfigError(
+                    field_name, value, f"unknown unit {m.group(2)!r} (use B, KiB, MiB, GiB, GB...)"
+                )
+            n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(field_name, value, "expected a size such as 4GiB or a byte count")
+    if n < 0:
+        raise ConfigError(field_name, value, "must not be negative")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size (``1.5 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_EVICTION_POLICIES = ("lru",)
+_LOAD_MODES = ("sync", "async")
+_SIZE_FIELDS = ("capacity", "segment_bytes", "max_inflight_put_bytes", "staging_bytes")
+
+
+@dataclass(frozen=True)
+class KVRayConfig:
+    """Everything a kvray deployment and its clients can be told.
+
+    Defaults suit a laptop: 1 GiB of CPU memory per node, checksums on, loads synchronous.
+    Field names are the keys of ``kv_connector_extra_config`` and the ``--flags`` of the CLI.
+    """
+
+    #: Isolates deployments on one cluster: actors are named ``<namespace>/...``.
+    namespace: str = "default"
+    #: Ray address to join (``auto``, ``HOST:PORT``, ``ray://...``). None: ``RAY_ADDRESS`` or
+    #: an already-connected Ray; the connector starts nothing local unless ``address="local"``.
+    address: str | None = None
+    #: KV bytes each node's block pool may hold (``"4GiB"`` or an int). Clamped to 80% of the
+    #: node's object store when that is smaller.
+    capacity: int = 1 << 30
+    #: Which blocks go first when a pool is full. Only ``lru`` for now.
+    eviction_policy: str = "lru"
+    #: Blocks are batched into objects of at most this many bytes (one Ray op costs ~1 ms).
+    segment_bytes: int = 32 << 20
+    #: Upper bound on bytes a client has handed to ``put`` and not yet stored; beyond it puts
+    #: are refused (counted), never queued without bound.
+    max_inflight_put_bytes: int = 512 << 20
+    #: Verify an xxh3 checksum of every block on ``get``: a corrupt block is reported lost.
+    verify_checksums: bool = True
+    #: Every wait on Ray has a timeout: a get, a put, an actor call.
+    get_timeout_s: float = 30.0
+    put_timeout_s: float = 60.0
+    #: How long a reader may keep a block leased (protected from eviction) before it expires.
+    lease_timeout_s: float = 60.0
+    #: How often the index checks that every pool is alive and that every alive node has one.
+    health_check_interval_s: float = 1.0
+    #: Connector: ``sync`` loads hits inside ``start_load_kv``; ``async`` loads them in the
+    #: background and reports them through ``finished_recving``.
+    load_mode: str = "sync"
+    #: Connector: bytes of reusable staging buffers per worker for saves and loads.
+    staging_bytes: int = 256 << 20
+    #: Connector: start kvray in the namespace when it is not running yet.
+    auto_start: bool = True
+    #: Connector: model name used in the key namespace (default: vLLM's served model).
+    model_id: str | None = None
+    #: Extra, free-form labels mixed into the key namespace (e.g. a LoRA or weights revision).
+    cache_salt: str = ""
+
+    _extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in _SIZE_FIELDS:
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
+        if not isinstance(self.namespace, str) or not _NAME_RE.match(self.namespace):
+            raise ConfigError(
+                "namespace", self.namespace, "use 1-64 letters, digits, '_', '-' or '.'"
+            )
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise ConfigError("address", self.address, "expected auto, local or HOST:PORT")
+        if self.capacity < (1 << 20):
+            raise ConfigError("capacity", self.capacity, "must be at least 1 MiB")
+        if self.eviction_policy not in _EVICTION_POLICIES:
+            raise ConfigError(
+                "eviction_policy", self.eviction_policy, f"choose one of {_EVICTION_POLICIES}"
+            )
+        if self.segment_bytes < (64 << 10):
+            raise ConfigError("segment_bytes", self.segment_bytes, "must be at least 64 KiB")
+        if self.max_inflight_put_bytes < self.segment_bytes:
+            raise ConfigError(
+                "max_inflight_put_bytes",
+                self.max_inflight_put_bytes,
+                f"must be at least segment_bytes ({self.segment_bytes})",
+            )
+        for name in (
+            "get_timeout_s",
+            "put_timeout_s",
+            "lease_timeout_s",
+            "health_check_interval_s",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
+                raise ConfigError(name, v, "expected seconds in (0, 3600]")
+            object.__setattr__(self, name, float(v))
+        for name in ("verify_checksums", "auto_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "expected true or false")
+        if self.load_mode not in _LOAD_MODES:
+            raise ConfigError("load_mode", self.load_mode, f"choose one of {_LOAD_MODES}")
+        if self.model_id is not None and not isinstance(self.model_id, str):
+            raise ConfigError("model_id", self.model_id, "expected a string")
+        if not isinstance(self.cache_salt, str):
+            raise ConfigError("cache_salt", self.cache_salt, "expected a string")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if not f.name.startswith("_"))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None = None, **overrides: Any) -> KVRayConfig:
+        """Build from a mapping (e.g. ``kv_connector_extra_config``); unknown keys are errors.
+
+        Values given as strings by a CLI or JSON (``"true"``, ``"2.5"``) are converted.
+        """
+        merged: dict[str, Any] = dict(values or {})
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        known = set(cls.field_names())
+        for key in merged:
+            if key not in known:
+                raise ConfigError(key, merged[key], f"unknown key; known keys: {sorted(known)}")
+        return cls(**{k: _coerce(cls, k, v) for k, v in merged.items()})
+
+    def replace(self, **changes: Any) -> KVRayConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+
+def _coerce(cls: type[KVRayConfig], name: str, value: Any) -> Any:
+    """Turn CLI/JSON strings into the field's type; anything odd is left for validation."""
+    if not isinstance(value, str):
+        return value
+    default = next(f for f in fields(cls) if f.name == name).default
+    if isinstance(default, bool):
+        low = value.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(name, value, "expected true or false")
+    if isinstance(default, float):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(name, value, "expected a number of seconds") from None
+    return value

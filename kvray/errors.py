@@ -1,0 +1,33 @@
+"""Errors kvray raises to its callers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["BlockLostError", "KVRayError", "NotStartedError", "StoreUnavailableError"]
+
+
+class KVRayError(RuntimeError):
+    """Base class of kvray's runtime errors."""
+
+
+class BlockLostError(KVRayError):
+    """Some requested blocks cannot be served: evicted, their node died, or corrupt.
+
+    ``keys`` names every missing key, so a caller (the connector) can recompute exactly those.
+    """
+
+    def __init__(self, keys: Sequence[bytes], reason: str) -> None:
+        self.keys = list(keys)
+        self.reason = reason
+        shown = ", ".join(k.hex()[:16] for k in self.keys[:4])
+        more = f" and {len(self.keys) - 4} more" if len(self.keys) > 4 else ""
+        super().__init__(f"{len(self.keys)} kvray block(s) lost ({reason}): {shown}{more}")
+
+
+class NotStartedError(KVRayError):
+    """kvray is not running in the requested namespace on this cluster."""
+
+
+class StoreUnavailableError(KVRayError):
+    """A kvray actor did not answer in time or the cluster cannot be reached."""

@@ -1,0 +1,83 @@
+"""Shared fixtures: one real multi-node Ray cluster for the whole session.
+
+The cluster is a ``ray.cluster_utils.Cluster`` on this machine: a head and two worker "nodes",
+each a real raylet with its own object store, tagged with custom resources ``node_a`` /
+``node_b`` so tests can pin tasks and actors to them. Ray's auth mode is set explicitly so the
+suite behaves the same with or without ``~/.ray/auth_token``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+os.environ["RAY_AUTH_MODE"] = "disabled"
+# Ray workers (and vLLM subprocesses) import test helpers by module name, as pytest does.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_TESTS, os.path.dirname(_TESTS), os.environ.get("PYTHONPATH")) if p
+)
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import kvray  # noqa: E402
+
+OBJECT_STORE_BYTES = 256 << 20
+
+
+def _node_args(resources: dict[str, float], num_cpus: int) -> dict:
+    return {
+        "num_cpus": num_cpus,
+        "object_store_memory": OBJECT_STORE_BYTES,
+        "resources": resources,
+        "include_dashboard": False,
+    }
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Cluster]:
+    """Head + simulated nodes A and B; this process is connected; RAY_ADDRESS is exported."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **_node_args({"head": 1}, 2),
+            "_system_config": {
+                # Detect removed nodes within seconds (defaults take ~30 s).
+                "health_check_initial_delay_ms": 0,
+                "health_check_period_ms": 500,
+                "health_check_failure_threshold": 4,
+            },
+        },
+    )
+    cluster.add_node(**_node_args({"node_a": 1}, 2))
+    cluster.add_node(**_node_args({"node_b": 1}, 2))
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="kvray-tests", log_to_driver=False)
+    old_addr = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = cluster.address
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if old_addr is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = old_addr
+
+
+@pytest.fixture
+def kvray_ns(ray_cluster: Cluster) -> Iterator[str]:
+    """A fresh kvray namespace, started for one test and stopped after it."""
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
+    try:
+        yield ns
+    finally:
+        kvray.stop(ns)

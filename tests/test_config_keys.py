@@ -1,0 +1,129 @@
+"""Config validation and key namespacing (no Ray needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvray.config import ConfigError, KVRayConfig, format_bytes, parse_bytes
+from kvray.keys import PREFIX_BYTES, LayoutFingerprint, check_keys, make_keys
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GiB", 4 << 30),
+        ("4 gib", 4 << 30),
+        ("512MB", 512 * 10**6),
+        ("1.5KiB", 1536),
+        ("1048576", 1 << 20),
+        (2048, 2048),
+        ("1e6", 10**6),
+    ],
+)
+def test_parse_bytes(text: object, expected: int) -> None:
+    assert parse_bytes(text) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["4XB", "lots", "-1", -5, True, None, "GiB"])
+def test_parse_bytes_rejects(bad: object) -> None:
+    with pytest.raises(ConfigError, match="capacity"):
+        parse_bytes(bad, "capacity")  # type: ignore[arg-type]
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_defaults_are_valid_and_laptop_sized() -> None:
+    cfg = KVRayConfig()
+    assert cfg.capacity == 1 << 30
+    assert cfg.namespace == "default"
+    assert KVRayConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_from_dict_converts_cli_strings() -> None:
+    cfg = KVRayConfig.from_dict(
+        {"capacity": "2GiB", "verify_checksums": "false", "get_timeout_s": "2.5"}
+    )
+    assert cfg.capacity == 2 << 30
+    assert cfg.verify_checksums is False
+    assert cfg.get_timeout_s == 2.5
+
+
+@pytest.mark.parametrize(
+    ("values", "field", "value"),
+    [
+        ({"capacity": "4XB"}, "capacity", "4XB"),
+        ({"capacity": 1024}, "capacity", 1024),
+        ({"namespace": "bad name!"}, "namespace", "bad name!"),
+        ({"namespace": ""}, "namespace", ""),
+        ({"eviction_policy": "fifo"}, "eviction_policy", "fifo"),
+        ({"get_timeout_s": 0}, "get_timeout_s", 0),
+        ({"get_timeout_s": "soon"}, "get_timeout_s", "soon"),
+        ({"verify_checksums": "maybe"}, "verify_checksums", "maybe"),
+        ({"load_mode": "eager"}, "load_mode", "eager"),
+        ({"segment_bytes": "1KiB"}, "segment_bytes", 1024),
+        ({"capacitty": "1GiB"}, "capacitty", "1GiB"),
+    ],
+)
+def test_bad_config_names_field_and_value(values: dict, field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVRayConfig.from_dict(values)
+    assert info.value.field_name == field
+    assert field in str(info.value)
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def _fp(**changes: object) -> LayoutFingerprint:
+    base = {
+        "model": "m",
+        "kv_dtype": "bfloat16",
+        "block_size": 16,
+        "hash_algo": "sha256",
+        "layout": "NHD",
+        "tp_size": 2,
+        "tp_rank": 0,
+    }
+    base.update(changes)
+    return LayoutFingerprint(**base)  # type: ignore[arg-type]
+
+
+def test_every_fingerprint_field_changes_the_prefix() -> None:
+    base = _fp()
+    variants = [
+        _fp(model="other"),
+        _fp(kv_dtype="float16"),
+        _fp(block_size=32),
+        _fp(hash_algo="sha256_cbor"),
+        _fp(layout="HND"),
+        _fp(tp_size=4),
+        _fp(tp_rank=1),
+        _fp(salt="lora-a"),
+    ]
+    prefixes = {base.prefix, *(v.prefix for v in variants)}
+    assert len(prefixes) == len(variants) + 1
+    assert all(len(p) == PREFIX_BYTES for p in prefixes)
+
+
+def test_prefix_is_stable_and_keys_concatenate() -> None:
+    assert _fp().prefix == _fp().prefix  # deterministic across instances (and processes)
+    h = [b"\x01" * 32, b"\x02" * 32]
+    keys = _fp().keys(h)
+    assert keys == make_keys(_fp().prefix, h)
+    assert keys[0] == _fp().prefix + h[0]
+    assert _fp().for_rank(1) == _fp(tp_rank=1)
+
+
+def test_fingerprint_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="tp_rank"):
+        _fp(tp_rank=2)
+    with pytest.raises(ValueError, match="block_size"):
+        _fp(block_size=0)
+
+
+def test_check_keys() -> None:
+    with pytest.raises(TypeError):
+        check_keys(["not-bytes"])
+    with pytest.raises(ValueError, match="unique"):
+        check_keys([b"a", b"a"])
