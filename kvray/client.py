@@ -151,9 +151,9 @@ class Store:
                 self._closed.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
 
-    def sync(self, timeout: float = 5.0) -> None:
-        """Wait until the local view reflects everything the index knew when called."""
-        epoch, seq = ray.get(self._index.current.remote(), timeout=timeout)
+    def sync(self, timeout: float = 10.0) -> None:
+        """Wait until the local view reflects every block any pool had stored when called."""
+        epoch, seq = ray.get(self._index.barrier.remote(timeout), timeout=timeout + 5)
         deadline = time.monotonic() + timeout
         with self._cv:
             while not (self._view.epoch == epoch and self._view.seq >= seq):

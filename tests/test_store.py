@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
+import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -169,9 +170,10 @@ def test_pool_serves_blocks_after_writer_exits(kvray_ns: str) -> None:
     keys = _keys(6)
     writer = Writer.remote()
     assert ray.get(writer.write.remote(kvray_ns, keys)) == 6
+    pid = ray.get(writer.pid.remote())
     ray.kill(writer)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(writer.pid.remote(), timeout=30)
+    # Simulated nodes share this machine, so the writer's exit is visible as its pid.
+    _wait_for(lambda: not psutil.pid_exists(pid), 30, "the writer process to exit")
     store = kvray.connect(kvray_ns)
     store.sync()
     got = store.get(keys)

@@ -81,6 +81,10 @@ class BlockIndex:
             _, a, r = self._log.popleft()
             self._log_keys -= len(a) + len(r)
             self._log_floor += 1
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every long poll and barrier waiting for a change."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -116,6 +120,31 @@ class BlockIndex:
     def current(self) -> tuple[str, int]:
         return self._epoch, self._seq
 
+    async def barrier(self, timeout: float = 10.0) -> tuple[str, int]:
+        """(epoch, seq) once every update a healthy pool sent before this call is applied.
+
+        Pool updates are fire-and-forget, so "the index knows" lags "the pool stored" by a
+        message; tests and tools that need read-your-writes across processes wait here.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        nodes = [n for n in self._nodes.values() if n.healthy]
+        pings = await asyncio.gather(
+            *(asyncio.wait_for(n.handle.ping.remote(), timeout) for n in nodes),
+            return_exceptions=True,
+        )
+        for node, ping in zip(nodes, pings, strict=True):
+            if isinstance(ping, BaseException):
+                continue
+            incarnation, version = ping
+            while node.healthy and node.incarnation == incarnation and node.version < version:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=left)
+        return self._epoch, self._seq
+
     # ------------------------------------------------------------------ queries
     def match_prefix(self, keys: list[bytes]) -> int:
         """Length of the longest prefix of ``keys`` held somewhere in the cluster."""
@@ -145,6 +174,7 @@ class BlockIndex:
             "pools": sum(1 for n in self._nodes.values() if n.healthy),
             "log_records": len(self._log),
             "ticks": self._ticks,
+            "rss_bytes": _rss(),
             "config": self._cfg.to_dict(),
         }
 
@@ -220,8 +250,7 @@ class BlockIndex:
             )
         if node.healthy:
             node.healthy = False
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._notify()
 
     async def _resync(self, node: _Node) -> None:
         """Replace a node's entries with its pool's inventory."""
@@ -243,8 +272,7 @@ class BlockIndex:
         node.incarnation, node.version, node.lag_ticks = inv.incarnation, inv.version, 0
         node.healthy = True
         self._apply(node, new, gone)
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._notify()
 
     # ------------------------------------------------------------------ health and deployment
     async def _health_loop(self) -> None:
@@ -320,6 +348,16 @@ class BlockIndex:
 
     def ping(self) -> float:
         return time.time()
+
+
+def _rss() -> int:
+    """Resident memory of this process (psutil ships with ray[default])."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:
+        return 0
 
 
 BlockIndexActor = ray.remote(BlockIndex)
