@@ -127,6 +127,10 @@ class Store:
     def _poll(self, wait_s: float) -> None:
         ref = self._index.changes.remote(self._view.epoch, self._view.seq, wait_s)
         ch: Changes = ray.get(ref, timeout=wait_s + self.config.get_timeout_s)
+        if ch.stopped:
+            self._feed_error = "kvray was stopped in this namespace"
+            self._closed.set()
+            return
         with self._cv:
             self._view.apply(ch)
             self._cv.notify_all()
@@ -138,6 +142,8 @@ class Store:
                 self._poll(wait_s=1.0)
                 backoff = 0.1
                 self._feed_error = None
+            except (SystemExit, KeyboardInterrupt):
+                return  # the process (or its Ray worker) is shutting down
             except ray.exceptions.ActorDiedError:
                 # Killed for good (kvray.stop): a restarting index raises Unavailable instead.
                 self._feed_error = "the kvray index was stopped"

@@ -8,6 +8,8 @@ cannot re-create the pools being removed.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from typing import Any
 
@@ -21,15 +23,48 @@ from kvray.errors import NotStartedError, StoreUnavailableError
 logger = logging.getLogger(__name__)
 
 
-def ensure_ray(address: str | None = None) -> None:
-    """Connect this process to Ray if it is not yet; a clear error instead of a hang."""
+def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None:
+    """Connect this process to Ray if it is not yet: ``address``, else ``RAY_ADDRESS``, else
+    ``auto`` (the cluster started on this machine by ``ray start``); ``local`` starts one.
+
+    Ray itself retries an unreachable address for minutes; a TCP probe first turns that into a
+    clear error within seconds.
+    """
     if ray.is_initialized():
         return
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if target != "local":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address_or_die
+
+            resolved = canonicalize_bootstrap_address_or_die(target)
+        except ConnectionError as e:
+            raise StoreUnavailableError(f"kvray: no Ray cluster found ({target}): {e}") from e
+        _probe(resolved, connect_timeout_s)
     try:
-        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        ray.init(address=target, namespace=RAY_NAMESPACE, log_to_driver=False)
     except ConnectionError as e:
+        raise StoreUnavailableError(f"kvray: cannot join the Ray cluster at {target}: {e}") from e
+    except ray.exceptions.AuthenticationError as e:
         raise StoreUnavailableError(
-            f"kvray: cannot reach a Ray cluster at {address or 'RAY_ADDRESS/auto'}: {e}"
+            f"kvray: the Ray cluster at {target} refused our token ({e}); set RAY_AUTH_TOKEN "
+            "or ~/.ray/auth_token to the cluster's token"
+        ) from e
+
+
+def _probe(address: str, timeout: float) -> None:
+    """Fail fast when nothing listens at ``host:port``."""
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise StoreUnavailableError(
+            f"kvray: no Ray cluster answers at {hostport} ({e.strerror or e}); "
+            "start one with `ray start --head` or pass the right --address"
         ) from e
 
 

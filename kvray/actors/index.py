@@ -93,12 +93,16 @@ class BlockIndex:
 
     async def changes(self, epoch: str, since: int, wait_s: float = 1.0) -> Changes:
         """Changes after ``since``; waits up to ``wait_s`` for one (a long poll, not a spin)."""
+        if self._stopping:
+            return Changes(epoch=self._epoch, seq=self._seq, nodes={}, stopped=True)
         if epoch != self._epoch or since < self._log_floor or since > self._seq:
             return self._snapshot()
         if since == self._seq and wait_s > 0:
             event = self._changed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=wait_s)
+            if self._stopping:
+                return Changes(epoch=self._epoch, seq=self._seq, nodes={}, stopped=True)
             if epoch != self._epoch or since < self._log_floor:
                 return self._snapshot()
         start = since - self._log_floor
@@ -111,11 +115,17 @@ class BlockIndex:
             n += len(rec[1]) + len(rec[2])
             if n >= MAX_REPLY_KEYS:
                 break
-        return Changes(self._epoch, seq, self._node_table(), False, records)
+        return Changes(epoch=self._epoch, seq=seq, nodes=self._node_table(), records=records)
 
     def _snapshot(self) -> Changes:
         records = [(n.slot, list(n.keys), []) for n in self._by_slot.values() if n.keys]
-        return Changes(self._epoch, self._seq, self._node_table(), True, records)
+        return Changes(
+            epoch=self._epoch,
+            seq=self._seq,
+            nodes=self._node_table(),
+            snapshot=True,
+            records=records,
+        )
 
     def current(self) -> tuple[str, int]:
         return self._epoch, self._seq
@@ -344,6 +354,7 @@ class BlockIndex:
         """Stop the health loop (before ``kvray.stop`` kills the actors); returns pool names."""
         self._stopping = True
         self._task.cancel()
+        self._notify()
         return [n.info.pool_name for n in self._nodes.values()]
 
     def ping(self) -> float:

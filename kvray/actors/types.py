@@ -80,7 +80,7 @@ class NodeInfo:
     capacity: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Changes:
     """One answer of the index's change feed.
 
@@ -93,4 +93,6 @@ class Changes:
     seq: int
     nodes: dict[int, NodeInfo]
     snapshot: bool = False
+    #: The index is being stopped (``kvray.stop``): clients stop polling.
+    stopped: bool = False
     records: list[tuple[int, list[bytes], list[bytes]]] = field(default_factory=list)

@@ -1,0 +1,177 @@
+"""The ``kvray`` command: start, stop, status, demo, serve.
+
+Errors a user can hit (no cluster, auth, bad size, not started) print one line and exit 1;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvray.config import ConfigError, KVRayConfig, format_bytes
+from kvray.errors import KVRayError
+
+app = typer.Typer(
+    name="kvray",
+    help="kvray: a distributed KV cache for vLLM on Ray.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+Address = Annotated[
+    str | None,
+    typer.Option(
+        help="Ray cluster: auto, HOST:PORT or ray://HOST:PORT (default: RAY_ADDRESS/auto)"
+    ),
+]
+Namespace = Annotated[str, typer.Option(help="kvray namespace (isolates deployments)")]
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(1)
+
+
+def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call into kvray, turning the errors a user can cause into one clear line."""
+    import ray
+
+    try:
+        return fn(*args, **kwargs)
+    except (ConfigError, KVRayError) as e:
+        _fail(str(e))
+    except ray.exceptions.AuthenticationError as e:
+        _fail(f"Ray refused the auth token: {e}")
+    except ConnectionError as e:
+        _fail(f"cannot reach the Ray cluster: {e}")
+
+
+def _config(namespace: str, address: str | None, **fields: Any) -> KVRayConfig:
+    try:
+        return KVRayConfig.from_dict({"namespace": namespace, "address": address, **fields})
+    except ConfigError as e:
+        _fail(str(e))
+        raise  # unreachable
+
+
+@app.command()
+def start(
+    address: Address = None,
+    capacity: Annotated[str, typer.Option(help="KV bytes per node, e.g. 8GiB")] = "1GiB",
+    namespace: Namespace = "default",
+) -> None:
+    """Deploy kvray on a running Ray cluster (idempotent): an index and a pool per node."""
+    import kvray
+    from kvray.actors.deploy import ensure_ray
+
+    cfg = _config(namespace, address, capacity=capacity)
+    _run(ensure_ray, cfg.address)
+    stats = _run(kvray.start, cfg)
+    console.print(
+        f"kvray started in namespace [bold]{namespace}[/]: {stats['pools']} pool(s), "
+        f"{format_bytes(cfg.capacity)} per node"
+    )
+
+
+@app.command()
+def stop(address: Address = None, namespace: Namespace = "default") -> None:
+    """Remove kvray (and the blocks it holds) from the cluster."""
+    import kvray
+    from kvray.actors.deploy import ensure_ray
+
+    _run(ensure_ray, address)
+    removed = _run(kvray.stop, namespace)
+    console.print(f"kvray stopped in namespace [bold]{namespace}[/]: {removed} actor(s) removed")
+
+
+@app.command()
+def status(
+    address: Address = None,
+    namespace: Namespace = "default",
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Per-node blocks, bytes, hit rate, evictions, refused puts and lost blocks."""
+    import kvray
+    from kvray.actors.deploy import ensure_ray
+
+    cfg = _config(namespace, address)
+    _run(ensure_ray, cfg.address)
+    store = _run(kvray.connect, namespace, cfg)
+    try:
+        stats = _run(store.stats)
+    finally:
+        store.close()
+    if as_json:
+        print(json.dumps(stats, indent=2, default=str))
+        return
+    table = Table(title=f"kvray namespace {namespace}")
+    for col in ("node", "blocks", "used / capacity", "hit rate", "evictions", "refused", "lost"):
+        table.add_column(col, justify="left" if col == "node" else "right")
+    for node_id, s in sorted(stats["nodes"].items()):
+        if "error" in s:
+            table.add_row(node_id[:12], "-", s["error"][:40], "-", "-", "-", "-")
+            continue
+        asked = s["hits"] + s["misses"]
+        rate = f"{100 * s['hits'] / asked:.1f}%" if asked else "-"
+        table.add_row(
+            node_id[:12],
+            f"{s['blocks']:,}",
+            f"{format_bytes(s['bytes'])} / {format_bytes(s['capacity'])}",
+            rate,
+            f"{s['evictions']:,}",
+            f"{s['refused']:,}",
+            f"{s['lost']:,}",
+        )
+    console.print(table)
+    idx = stats["index"]
+    console.print(f"index: {idx['keys']:,} keys, {idx['pools']} live pool(s)")
+
+
+@app.command()
+def demo(
+    model_mb: Annotated[int, typer.Option(help="size of the random model to build")] = 60,
+    prompt_tokens: Annotated[int, typer.Option(help="shared prefix length in tokens")] = 1024,
+    prompts: Annotated[int, typer.Option(help="prompts per round")] = 4,
+    store_only: Annotated[bool, typer.Option(help="store demo without vLLM")] = False,
+    keep_dir: Annotated[bool, typer.Option(help="keep the model directory")] = False,
+) -> None:
+    """The main job: a local Ray cluster, a small random model, vLLM with kvray, two rounds."""
+    from kvray import demo as demo_mod
+
+    _run(
+        demo_mod.run,
+        console,
+        model_mb=model_mb,
+        prompt_tokens=prompt_tokens,
+        prompts=prompts,
+        store_only=store_only,
+        keep_dir=keep_dir,
+    )
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=os.environ.get("KVRAY_LOG_LEVEL", "WARNING"),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
