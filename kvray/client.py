@@ -28,6 +28,7 @@ from kvray.actors.types import RAY_NAMESPACE, Changes, LeaseReply, NodeInfo, Put
 from kvray.config import KVRayConfig
 from kvray.errors import BlockLostError, StoreUnavailableError
 from kvray.keys import check_keys
+from kvray.metrics import ClientMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,59 @@ class _View:
         return (v,) if isinstance(v, int) else v
 
 
+class _Tally:
+    """Plain counters bumped on hot paths and flushed to Ray metrics by the feed thread.
+
+    A Ray metric update costs 2-3 us; a lookup must cost less than that, so hot paths only
+    add to ints here (the GIL makes each ``+=`` safe enough for statistics).
+    """
+
+    def __init__(self, namespace: str) -> None:
+        self.tags = {"namespace": namespace}
+        self.lookups = 0
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+        self.latencies: list[float] = []
+        self.bytes_loaded = 0
+        self.bytes_stored = 0
+        self.lost = 0
+        self.tokens_loaded = 0
+        self.load_latencies: list[float] = []
+        self.store_latencies: list[float] = []
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Keep a latency for the next flush (bounded, should the feed thread be stuck)."""
+        values: list[float] = getattr(self, name)
+        if len(values) < 10_000:
+            values.append(seconds)
+
+    def flush(self) -> None:
+        m = ClientMetrics.get()
+        t = self.tags
+        for name, counter in (
+            ("lookups", m.lookups),
+            ("hit_blocks", m.lookup_hits),
+            ("miss_blocks", m.lookup_misses),
+            ("bytes_loaded", m.bytes_loaded),
+            ("bytes_stored", m.bytes_stored),
+            ("lost", m.lost_blocks),
+            ("tokens_loaded", m.tokens_loaded),
+        ):
+            n = getattr(self, name)
+            if n:
+                setattr(self, name, getattr(self, name) - n)
+                counter.inc(n, tags=t)
+        for name, hist in (
+            ("latencies", m.lookup_latency),
+            ("load_latencies", m.load_latency),
+            ("store_latencies", m.store_latency),
+        ):
+            values, fresh = getattr(self, name), []
+            setattr(self, name, fresh)
+            for v in values:
+                hist.observe(v, tags=t)
+
+
 class Store:
     """A connection to one kvray namespace. Thread-safe; cheap to keep for a process' life."""
 
@@ -119,6 +173,7 @@ class Store:
         self._puts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvray-put")
         self._refused_client = 0
         self._feed_error: str | None = None
+        self.tally = _Tally(config.namespace)
         self._poll(wait_s=0.0)  # the first snapshot, so lookups work right away
         self._feed = threading.Thread(target=self._feed_loop, name="kvray-feed", daemon=True)
         self._feed.start()
@@ -140,6 +195,7 @@ class Store:
         while not self._closed.is_set():
             try:
                 self._poll(wait_s=1.0)
+                self.tally.flush()
                 backoff = 0.1
                 self._feed_error = None
             except (SystemExit, KeyboardInterrupt):
@@ -171,11 +227,19 @@ class Store:
     # ------------------------------------------------------------------ lookups
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` held anywhere (local view, no actor call)."""
+        t0 = time.perf_counter()
         where = self._view.where
+        n = len(keys)
         for i, k in enumerate(keys):
             if k not in where:
-                return i
-        return len(keys)
+                n = i
+                break
+        tally = self.tally
+        tally.lookups += 1
+        tally.hit_blocks += n
+        tally.miss_blocks += len(keys) - n
+        tally.observe("latencies", time.perf_counter() - t0)
+        return n
 
     def contains(self, key: bytes) -> bool:
         return key in self._view.where
@@ -207,6 +271,7 @@ class Store:
         return self._puts.submit(self._put_now, todo, dup, nbytes)
 
     def _put_now(self, todo: list[tuple[bytes, np.ndarray]], dup: int, nbytes: int) -> PutResult:
+        t0 = time.perf_counter()
         try:
             pool = self._pool_for_put()
             pending = []
@@ -224,6 +289,8 @@ class Store:
                     logger.warning("kvray put: segment of %d blocks failed: %s", len(seg_keys), e)
                     r = PutResult(0, 0, len(seg_keys))
                 result = result + r
+            self.tally.bytes_stored += nbytes
+            self.tally.observe("store_latencies", time.perf_counter() - t0)
             return result
         finally:
             with self._inflight_lock:
@@ -260,6 +327,7 @@ class Store:
     def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[np.ndarray]:
         """The blocks' bytes (read-only uint8 arrays), all or :class:`BlockLostError`."""
         keys = check_keys(keys)
+        t0 = time.perf_counter()
         timeout = self.config.get_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         view = self._view
@@ -291,9 +359,13 @@ class Store:
                     lost[k] = why
             plans, attempt = retry, attempt + 1
         if lost:
+            self.tally.lost += len(lost)
             reasons = sorted(set(lost.values()))
             raise BlockLostError([k for k in keys if k in lost], "; ".join(reasons))
-        return [got[k] for k in keys]
+        out = [got[k] for k in keys]
+        self.tally.bytes_loaded += sum(a.nbytes for a in out)
+        self.tally.observe("load_latencies", time.perf_counter() - t0)
+        return out
 
     def _get_from(
         self, by_slot: dict[int, list[bytes]], got: dict[bytes, np.ndarray], deadline: float

@@ -52,6 +52,8 @@ def ray_cluster() -> Iterator[Cluster]:
                 "health_check_initial_delay_ms": 0,
                 "health_check_period_ms": 500,
                 "health_check_failure_threshold": 4,
+                # Push metrics to each node's Prometheus endpoint every second (default 10 s).
+                "metrics_report_interval_ms": 1000,
             },
         },
     )

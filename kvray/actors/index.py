@@ -22,10 +22,10 @@ from typing import Any
 
 import ray
 
-from kvray.actors.metrics import IndexMetrics
 from kvray.actors.pool import spawn_pool
 from kvray.actors.types import Changes, Inventory, NodeInfo, pool_name
 from kvray.config import KVRayConfig
+from kvray.metrics import IndexMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from typing import Any
 import ray
 from ray import ObjectRef
 
-from kvray.actors.metrics import PoolMetrics
 from kvray.actors.types import (
     RAY_NAMESPACE,
     BlockLoc,
@@ -34,6 +33,7 @@ from kvray.actors.types import (
     PutResult,
     index_name,
 )
+from kvray.metrics import PoolMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -102,3 +102,64 @@ class IndexMetrics:
     def purged(self, n: int) -> None:
         if n:
             self._purged.inc(n, tags=self._tags)
+
+
+class ClientMetrics:
+    """Per-process figures of a client (a vLLM scheduler or worker, a driver).
+
+    Created lazily, once per process, so that importing kvray never touches Ray's metrics.
+    """
+
+    _instance: ClientMetrics | None = None
+
+    def __init__(self) -> None:
+        keys = ("namespace",)
+        self.lookups = metrics.Counter(
+            "kvray_lookups", "Prefix lookups answered from the local view", tag_keys=keys
+        )
+        self.lookup_hits = metrics.Counter(
+            "kvray_lookup_hit_blocks", "Blocks found by prefix lookups", tag_keys=keys
+        )
+        self.lookup_misses = metrics.Counter(
+            "kvray_lookup_miss_blocks", "Blocks asked for by lookups and not found", tag_keys=keys
+        )
+        self.lookup_latency = metrics.Histogram(
+            "kvray_lookup_latency_s",
+            "Latency of a prefix lookup",
+            boundaries=[1e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2],
+            tag_keys=keys,
+        )
+        self.tokens_loaded = metrics.Counter(
+            "kvray_tokens_loaded",
+            "Prompt tokens loaded from kvray instead of computed",
+            tag_keys=keys,
+        )
+        self.bytes_loaded = metrics.Counter(
+            "kvray_bytes_loaded", "Bytes read from pools by this process", tag_keys=keys
+        )
+        self.bytes_stored = metrics.Counter(
+            "kvray_bytes_stored", "Bytes handed to pools by this process", tag_keys=keys
+        )
+        self.load_latency = metrics.Histogram(
+            "kvray_load_latency_s",
+            "Latency of one get (lease, read, verify)",
+            boundaries=_LATENCY_BOUNDARIES,
+            tag_keys=keys,
+        )
+        self.store_latency = metrics.Histogram(
+            "kvray_store_latency_s",
+            "Latency of one put, from call to pool ownership",
+            boundaries=_LATENCY_BOUNDARIES,
+            tag_keys=keys,
+        )
+        self.lost_blocks = metrics.Counter(
+            "kvray_lost_blocks",
+            "Blocks a get could not serve (evicted, dead node, corrupt)",
+            tag_keys=keys,
+        )
+
+    @classmethod
+    def get(cls) -> ClientMetrics:
+        if cls._instance is None:
+            cls._instance = ClientMetrics()
+        return cls._instance
