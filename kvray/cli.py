@@ -160,6 +160,52 @@ def demo(
     )
 
 
+def _engine_args(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs; values are JSON when they parse (numbers, booleans), else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            _fail(f"--engine-arg expects key=value, got {pair!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="model path or name for vLLM")],
+    address: Address = None,
+    namespace: Namespace = "default",
+    capacity: Annotated[str, typer.Option(help="KV bytes per node, e.g. 8GiB")] = "1GiB",
+    host: Annotated[str, typer.Option(help="HTTP bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
+    num_gpus: Annotated[float, typer.Option(help="GPUs per replica (0 on CPU)")] = 0,
+    engine_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="vLLM engine argument key=value (repeatable), e.g. max_model_len=4096"),
+    ] = None,
+) -> None:
+    """One vLLM engine per node with kvray, prefix-aware routing, OpenAI-style HTTP."""
+    from kvray.actors.deploy import ensure_ray
+    from kvray.serve import run_http, start_serving
+
+    cfg = _config(namespace, address, capacity=capacity)
+    _run(ensure_ray, cfg.address)
+    args = _engine_args(engine_arg or [])
+    with console.status("starting one vLLM replica per node"):
+        handle = _run(start_serving, model, config=cfg, engine_args=args, num_gpus=num_gpus)
+    console.print(
+        f"kvray serve: {len(handle.replicas)} replica(s); POST http://{host}:{port}/v1/completions"
+    )
+    try:
+        run_http(handle, host=host, port=port)
+    finally:
+        handle.shutdown()
+
+
 def main() -> None:
     logging.basicConfig(
         level=os.environ.get("KVRAY_LOG_LEVEL", "WARNING"),
