@@ -27,7 +27,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: an error stays one line when stderr is a pipe (rich would wrap at 80 columns).
+err_console = Console(stderr=True, soft_wrap=True)
 
 Address = Annotated[
     str | None,
@@ -206,12 +207,25 @@ def serve(
         handle.shutdown()
 
 
+def _fail_fast_on_refused_connections() -> None:
+    """Ray retries joining a cluster ~20 times, 1 s apart, also when the token is wrong; a CLI
+    should answer in seconds. (ray_constants is read at call time by ray.init.)"""
+    try:
+        from ray._private import ray_constants
+
+        if "RAY_NUM_REDIS_GET_RETRIES" not in os.environ:
+            ray_constants.NUM_REDIS_GET_RETRIES = 3
+    except Exception:
+        pass
+
+
 def main() -> None:
     logging.basicConfig(
         level=os.environ.get("KVRAY_LOG_LEVEL", "WARNING"),
         format="%(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    _fail_fast_on_refused_connections()
     try:
         app()
     except KeyboardInterrupt:

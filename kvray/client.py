@@ -453,8 +453,12 @@ class Store:
         }
 
     def close(self) -> None:
+        """Stop the feed thread and wait for puts in flight (so a process can exit cleanly)."""
         self._closed.set()
         self._puts.shutdown(wait=True)
+        if self._feed.is_alive() and self._feed is not threading.current_thread():
+            # The long poll returns within about a second; Ray must not shut down under it.
+            self._feed.join(timeout=self.config.get_timeout_s + 2)
 
     def __enter__(self) -> Store:
         return self

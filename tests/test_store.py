@@ -290,7 +290,7 @@ def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluste
     # A node that joins after start gets its pool.
     _wait_for(lambda: len(store._view.nodes) == 4, 30, "a pool on the new node")
     keys = _keys(5)
-    node_c, result = ray.get(
+    _, result = ray.get(
         _put_on_node.options(resources={"node_c": 0.01}).remote(kvray_ns, keys, 5, 5)
     )
     assert result["stored"] == 5

@@ -39,17 +39,41 @@ def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> No
 
             resolved = canonicalize_bootstrap_address_or_die(target)
         except ConnectionError as e:
-            raise StoreUnavailableError(f"kvray: no Ray cluster found ({target}): {e}") from e
+            raise StoreUnavailableError(
+                f"kvray: no Ray cluster found ({target}): {_first_line(str(e))}"
+            ) from e
         _probe(resolved, connect_timeout_s)
     try:
         ray.init(address=target, namespace=RAY_NAMESPACE, log_to_driver=False)
-    except ConnectionError as e:
-        raise StoreUnavailableError(f"kvray: cannot join the Ray cluster at {target}: {e}") from e
-    except ray.exceptions.AuthenticationError as e:
+    except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+        chain = _error_chain(e)
+        if "InvalidAuthToken" in chain or "Unauthenticated" in chain or isinstance(
+            e, ray.exceptions.AuthenticationError
+        ):
+            raise StoreUnavailableError(
+                f"kvray: the Ray cluster at {target} requires a valid auth token: set "
+                "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) to the cluster's "
+                "token (`ray get-auth-token` on the head) and RAY_AUTH_MODE=token"
+            ) from e
         raise StoreUnavailableError(
-            f"kvray: the Ray cluster at {target} refused our token ({e}); set RAY_AUTH_TOKEN "
-            "or ~/.ray/auth_token to the cluster's token"
+            f"kvray: cannot join the Ray cluster at {target}: {_first_line(str(e))}"
         ) from e
+
+
+def _error_chain(e: BaseException) -> str:
+    parts = []
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        parts.append(f"{type(cur).__name__}: {cur}")
+        cur = cur.__cause__ or cur.__context__
+    return " | ".join(parts)
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _probe(address: str, timeout: float) -> None:

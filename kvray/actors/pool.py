@@ -98,7 +98,17 @@ class BlockPool:
         self._index: Any = None
         self._metrics = PoolMetrics(namespace, node_id)
         self._metrics.capacity(self._capacity)
+        # Ray drops a gauge from the Prometheus endpoint ~20 s after its last set; an idle
+        # pool must keep reporting its bytes and capacity.
+        self._gauges = threading.Thread(target=self._refresh_gauges, daemon=True)
+        self._gauges.start()
         logger.info("kvray pool %s on node %s: capacity %d bytes", namespace, node_id[:8], capacity)
+
+    def _refresh_gauges(self) -> None:
+        while True:
+            time.sleep(5.0)
+            self._metrics.capacity(self._capacity)
+            self._metrics.used(self._used)
 
     # ------------------------------------------------------------------ writes
     def put_segment(
