@@ -1,0 +1,231 @@
+"""``BlockMover``: the connector's one entry point for moving kvray blocks in and out of vLLM.
+
+It validates every call (a wrong buffer or block id would silently corrupt the KV cache of
+unrelated requests), picks the fastest engine for the device (torch on the CPU; the one-launch
+CuPy kernel on CUDA, torch when CuPy is missing) and, on CUDA, orders transfers against the
+compute stream:
+
+* a gather waits for the work already queued on the compute stream (the forward that wrote the
+  blocks) and returns a handle; the connector must not let vLLM overwrite those blocks (e.g.
+  ``handle_preemptions``, freeing the request) before the handle is done;
+* a scatter waits for the compute stream too, and then makes the compute stream wait for the
+  scatter, so attention enqueued afterwards reads the loaded blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvray.kernels.handles import CompletedHandle, CudaEventHandle, TransferHandle
+from kvray.kernels.layout import CopyPlan, KVCacheLayout, build_copy_plan
+from kvray.kernels.torch_ops import TorchMover
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BlockMover", "as_block_ids"]
+
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def as_block_ids(block_ids: Any, num_blocks: int, *, unique: bool) -> np.ndarray:
+    """Block ids as a 1-D int64 array, checked against ``range(num_blocks)``.
+
+    ``unique`` refuses repeated ids (a scatter with repeats has no defined result).
+    """
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+            raise ValueError(f"block ids must be integers, got a {block_ids.dtype} tensor")
+        arr = block_ids.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    else:
+        try:
+            arr = np.asarray(block_ids)
+        except Exception as exc:
+            raise ValueError(f"block ids must be a sequence of ints: {exc}") from exc
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.ndim != 1:
+            raise ValueError(f"block ids must be a flat sequence, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"block ids must be ints, got {arr.dtype} values")
+        arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"block id {bad} out of range [0, {num_blocks})")
+        if unique and np.unique(arr).size != arr.size:
+            raise ValueError("block ids of a scatter must be distinct")
+    return np.ascontiguousarray(arr)
+
+
+class BlockMover:
+    """Gather (cache -> buffer) and scatter (buffer -> cache) of whole kvray blocks.
+
+    ``kv_caches`` are the per-layer tensors of one KV cache group, in the same order as when
+    ``layout`` was described. A buffer is a contiguous uint8 tensor ``[n, layout.block_nbytes]``
+    (extra rows are ignored), on the cache's device or, for CUDA caches, on the host (pinned
+    memory keeps the transfer asynchronous and lets the kernel access it directly).
+
+    ``engine``: ``"auto"`` (CuPy kernel on CUDA when importable, else torch), ``"torch"`` or
+    ``"cupy"`` (ImportError when CuPy is missing). ``torch_strategy`` (tests, benchmarks):
+    ``"auto"``, ``"loop"``, ``"index"`` or ``"threads"`` (CPU only), see
+    :class:`~kvray.kernels.torch_ops.TorchMover`.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+        layout: KVCacheLayout,
+        *,
+        engine: str = "auto",
+        torch_strategy: str = "auto",
+    ) -> None:
+        if engine not in ("auto", "torch", "cupy"):
+            raise ValueError(f"engine must be 'auto', 'torch' or 'cupy', got {engine!r}")
+        self.layout = layout
+        self.plan: CopyPlan = build_copy_plan(kv_caches, layout)
+        self.device = self.plan.device
+        self._torch = TorchMover(self.plan, torch_strategy)
+        self._cupy: Any = None
+        self._stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)
+            if engine in ("auto", "cupy"):
+                from kvray.kernels.cuda_ops import CupyMover, cupy_available
+
+                if engine == "cupy" or cupy_available():
+                    self._cupy = CupyMover(self.plan)
+        elif engine == "cupy":
+            raise ValueError("engine='cupy' needs CUDA KV caches")
+        self.engine = "cupy" if self._cupy is not None else f"torch-{self.device.type}"
+        logger.info(
+            "BlockMover for %s on %s: engine %s, %d chunk(s)/layer-block, shared allocation: %s",
+            layout.fingerprint,
+            self.device,
+            self.engine,
+            self.plan.num_chunks,
+            self.plan.layer_stride is not None,
+        )
+
+    # -- validation ------------------------------------------------------------------------
+    def _check_buffer(self, buf: Any, n: int, name: str) -> torch.Tensor:
+        nbytes = self.layout.block_nbytes
+        if not isinstance(buf, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+        if buf.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8, got {buf.dtype}")
+        if buf.dim() != 2 or buf.shape[1] != nbytes:
+            raise ValueError(f"{name} must be [n, block_nbytes={nbytes}], got {list(buf.shape)}")
+        if buf.shape[0] < n:
+            raise ValueError(f"{name} too small: {buf.shape[0]} rows for {n} blocks of {nbytes} B")
+        if not buf.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (row-major [n, block_nbytes])")
+        if buf.device != self.device and not (
+            self.device.type == "cuda" and buf.device.type == "cpu"
+        ):
+            raise ValueError(f"{name} is on {buf.device}, the KV cache on {self.device}")
+        return buf[:n]
+
+    # -- synchronous -----------------------------------------------------------------------
+    def gather(self, block_ids: BlockIds, out: torch.Tensor) -> None:
+        """Copy KV blocks ``block_ids`` (all layers) into ``out[i]``; returns when done."""
+        if self.device.type == "cuda":
+            self.gather_async(block_ids, out).wait()
+            return
+        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=False)
+        dst = self._check_buffer(out, len(ids), "out")
+        self._torch.gather(ids, dst)
+
+    def scatter(self, block_ids: BlockIds, src: torch.Tensor) -> None:
+        """Copy ``src[i]`` into KV block ``block_ids[i]`` (all layers); returns when done.
+
+        On CUDA the compute stream is also ordered after the scatter."""
+        if self.device.type == "cuda":
+            self.scatter_async(block_ids, src).wait()
+            return
+        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=True)
+        srcv = self._check_buffer(src, len(ids), "src")
+        self._torch.scatter(ids, srcv)
+
+    # -- asynchronous ----------------------------------------------------------------------
+    def gather_async(self, block_ids: BlockIds, out: torch.Tensor) -> TransferHandle:
+        """Start a gather; on CUDA it runs on a side stream after the work already queued on
+        the current (compute) stream. The KV blocks and ``out`` must stay untouched until the
+        handle is done. On the CPU it runs now and returns a completed handle."""
+        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=False)
+        dst = self._check_buffer(out, len(ids), "out")
+        if self.device.type != "cuda":
+            self._torch.gather(ids, dst)
+            return CompletedHandle()
+        return self._cuda_transfer(ids, dst, to_buffer=True)
+
+    def scatter_async(self, block_ids: BlockIds, src: torch.Tensor) -> TransferHandle:
+        """Start a scatter; on CUDA the current (compute) stream waits for it, so attention
+        queued afterwards reads the new blocks. ``src`` must stay untouched until the handle is
+        done. On the CPU it runs now and returns a completed handle."""
+        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=True)
+        srcv = self._check_buffer(src, len(ids), "src")
+        if self.device.type != "cuda":
+            self._torch.scatter(ids, srcv)
+            return CompletedHandle()
+        return self._cuda_transfer(ids, srcv, to_buffer=False)
+
+    # -- CUDA ------------------------------------------------------------------------------
+    def _cuda_transfer(
+        self, ids: np.ndarray, buf: torch.Tensor, *, to_buffer: bool
+    ) -> TransferHandle:
+        assert self._stream is not None
+        side = self._stream
+        compute = torch.cuda.current_stream(self.device)
+        keep: list[Any] = [buf]
+        n = len(ids)
+        # The side stream starts after everything already queued on the compute stream: a
+        # gather must read what the forward wrote; a scatter must not overwrite blocks the
+        # previous step's kernels may still read.
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            if n:
+                host_ids = torch.from_numpy(ids).pin_memory()
+                dev_ids = host_ids.to(self.device, non_blocking=True)
+                keep += [host_ids, dev_ids]
+                direct = buf.device.type == "cuda" or (self._cupy is not None and buf.is_pinned())
+                if buf.device.type == "cuda":
+                    buf.record_stream(side)
+                if direct:
+                    self._launch(dev_ids, ids, buf, to_buffer=to_buffer)
+                else:
+                    # Host buffer the device cannot address (or torch engine): stage on device.
+                    tmp = torch.empty(buf.shape, dtype=torch.uint8, device=self.device)
+                    keep.append(tmp)
+                    pinned = buf.is_pinned()
+                    if not to_buffer:
+                        tmp.copy_(buf, non_blocking=pinned)
+                    self._launch(dev_ids, ids, tmp, to_buffer=to_buffer)
+                    if to_buffer:
+                        buf.copy_(tmp, non_blocking=pinned)
+            event = torch.cuda.Event()
+            event.record(side)
+        if not to_buffer:
+            # Attention queued after this call reads the scattered blocks.
+            compute.wait_event(event)
+        return CudaEventHandle(event, self.device, tuple(keep))
+
+    def _launch(
+        self, dev_ids: torch.Tensor, host_ids: np.ndarray, buf: torch.Tensor, *, to_buffer: bool
+    ) -> None:
+        """Enqueue on the current (side) stream, with the kernel or with torch ops."""
+        if self._cupy is not None:
+            assert self._stream is not None
+            self._cupy.launch(dev_ids, buf, to_buffer=to_buffer, stream=self._stream)
+        elif to_buffer:
+            self._torch.gather(host_ids, buf, dev_ids)
+        else:
+            self._torch.scatter(host_ids, buf, dev_ids)
+
+    def __repr__(self) -> str:
+        return f"BlockMover({self.layout.fingerprint}, device={self.device}, engine={self.engine})"
