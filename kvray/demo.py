@@ -93,8 +93,9 @@ class DemoEngine:
             ),
         )
 
-    def node(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def close(self) -> None:
+        """Shut the engine down cleanly: the connector finishes the saves still in flight."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def run(self, prompts: list[list[int]]) -> list[tuple[float, int, list[int]]]:
         """(TTFT seconds, tokens loaded or cached, first tokens) per prompt, one at a time."""
@@ -213,11 +214,13 @@ def _vllm_demo(
     progress.update(step, description="starting vLLM engine A (its own process)")
     a = DemoEngine.remote(model, NAMESPACE, max_len)  # type: ignore[attr-defined]
     r1 = _round(ray.get(a.run.remote(round1)))
+    ray.get(a.close.remote(), timeout=120)
     ray.kill(a)
     progress.update(step, description="starting vLLM engine B (a fresh process)")
     b = DemoEngine.remote(model, NAMESPACE, max_len)  # type: ignore[attr-defined]
     progress.update(step, description="round 2 on engine B: prefixes load from kvray")
     r2 = _round(ray.get(b.run.remote(round2)))
+    ray.get(b.close.remote(), timeout=120)
     ray.kill(b)
     cold = statistics.median(r1.ttfts)
     warm = statistics.median(r2.ttfts)

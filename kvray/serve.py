@@ -65,6 +65,10 @@ class EngineReplica:
         )
         self._lock = threading.Lock()
 
+    def close(self) -> None:
+        """Shut the engine down cleanly: the connector finishes the saves still in flight."""
+        self._llm.llm_engine.engine_core.shutdown()
+
     def info(self) -> ReplicaInfo:
         core = self._llm.llm_engine.engine_core.engine_core
         connector = core.scheduler.connector
@@ -183,7 +187,13 @@ class ServeHandle:
         finally:
             self._busy[node] -= 1
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Close every replica (flushing its saves), then remove the actors."""
+        refs = [h.close.remote() for h in self.replicas.values()]
+        try:
+            ray.get(refs, timeout=timeout)
+        except Exception:
+            logger.warning("kvray serve: a replica did not close cleanly", exc_info=True)
         for handle in self.replicas.values():
             ray.kill(handle)
         self.store.close()
@@ -226,7 +236,14 @@ def start_serving(
 
 
 def run_http(handle: ServeHandle, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve an OpenAI-compatible ``/v1/completions`` (token-id prompts) until interrupted."""
+    """Serve :func:`make_app` until interrupted."""
+    from aiohttp import web
+
+    web.run_app(make_app(handle), host=host, port=port, print=None)
+
+
+def make_app(handle: ServeHandle) -> Any:
+    """An aiohttp app with an OpenAI-compatible ``/v1/completions`` (token-id prompts)."""
     from aiohttp import web
 
     model = next(iter(handle.infos.values())).model
@@ -283,4 +300,4 @@ def run_http(handle: ServeHandle, host: str = "127.0.0.1", port: int = 8000) -> 
             web.get("/health", health),
         ]
     )
-    web.run_app(app, host=host, port=port, print=None)
+    return app
