@@ -1,0 +1,225 @@
+"""vLLM KV connector for kvray: ``--kv-transfer-config '{"kv_connector": "KVRayConnector",
+"kv_connector_module_path": "kvray.connector", "kv_role": "kv_both",
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"namespace": ...}}'``.
+
+A thin facade in the style of vLLM's ``OffloadingConnector``: the scheduler role delegates to
+:class:`KVRayConnectorScheduler`, the worker role to :class:`KVRayConnectorWorker`. Every key of
+``kv_connector_extra_config`` is validated by :class:`kvray.KVRayConfig` when the engine starts.
+This package imports vLLM; ``import kvray`` does not import this package.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvray.config import KVRayConfig
+from kvray.connector.cluster import open_store
+from kvray.connector.keys import EngineKeySpace, build_key_space
+from kvray.connector.metadata import KVRayConnectorMetadata, KVRayWorkerMetadata
+from kvray.connector.scheduler import KVRayConnectorScheduler
+from kvray.connector.worker import KVRayConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "KVRayConnector",
+    "KVRayConnectorMetadata",
+    "KVRayConnectorScheduler",
+    "KVRayConnectorWorker",
+    "KVRayWorkerMetadata",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _layout_hint(vllm_config: VllmConfig, key_space: EngineKeySpace) -> str | None:
+    """The attention backend's name (plus the CPU ISA) for the kernels' layout detection."""
+    name: str | None = None
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        backends = get_current_attn_backends(vllm_config)
+        name = backends[0].get_name() if backends else None
+    except Exception:  # no model layers registered (unit tests): fall back to the platform
+        name = None
+    if name is None:
+        from vllm.platforms import current_platform
+
+        name = "CPU_ATTN" if current_platform.device_type == "cpu" else None
+    if name and key_space.variant:
+        return f"{name}:{key_space.variant}"
+    return name
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # parallel state not initialised (unit tests): a single rank
+        return 0
+
+
+class KVRayConnector(KVConnectorBase_V1):
+    """Shares prefix KV blocks between vLLM instances anywhere on a Ray cluster."""
+
+    _cache_hit_source = CacheHitSource.HOST if hasattr(CacheHitSource, "HOST") else (
+        CacheHitSource.EXTERNAL_UNSPECIFIED
+    )
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = KVRayConfig.from_dict(extra)
+        self.key_space: EngineKeySpace = build_key_space(
+            self.config, vllm_config, kv_cache_config
+        )
+        self.store: Any = open_store(self.config)
+        parallel = vllm_config.parallel_config
+        self.connector_scheduler: KVRayConnectorScheduler | None = None
+        self.connector_worker: KVRayConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVRayConnectorScheduler(
+                self.config,
+                self.key_space,
+                self.store,
+                world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+            )
+        else:
+            self.connector_worker = KVRayConnectorWorker(
+                self.config,
+                self.key_space,
+                self.store,
+                tp_rank=_tp_rank(),
+                layout_hint=_layout_hint(vllm_config, self.key_space),
+            )
+        logger.info(
+            "kvray connector (%s) in namespace %r, load_mode=%s",
+            role.name,
+            self.config.namespace,
+            self.config.load_mode,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future miss, never a correctness issue.
+        return False
+
+    @property
+    def scheduler(self) -> KVRayConnectorScheduler:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler
+
+    @property
+    def worker(self) -> KVRayConnectorWorker:
+        assert self.connector_worker is not None
+        return self.connector_worker
+
+    def _meta(self) -> KVRayConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRayConnectorMetadata)
+        return meta
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVRayConnectorMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self.worker.get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVRayWorkerMetadata | None:
+        if self.connector_worker is None:
+            return None
+        return self.connector_worker.build_connector_worker_meta()
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+        try:
+            self.store.close()
+        except Exception:  # shutting down anyway; the store may already be gone with Ray
+            logger.debug("kvray: closing the store failed", exc_info=True)
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()

@@ -1,0 +1,87 @@
+"""Joining the Ray cluster and the kvray namespace from inside a vLLM process.
+
+Every vLLM process that hosts a half of the connector (the EngineCore's scheduler, each worker
+rank) calls :func:`open_store` once at construction. The rules, so that a misconfigured engine
+fails at start with one clear message instead of hanging or silently running without a cache:
+
+- Ray already initialised in this process (in-process engine, a Ray actor): use it.
+- else join ``address`` from the config, or ``RAY_ADDRESS``; neither set: error (we never start
+  a private cluster unless ``address="local"``). A ``HOST:PORT`` that accepts no TCP connection
+  within a few seconds is reported before ``ray.init`` gets a chance to retry for minutes.
+- kvray not running in the namespace: start it when ``auto_start`` (idempotent and safe when
+  several ranks race), else error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from kvray.config import KVRayConfig
+from kvray.errors import NotStartedError, StoreUnavailableError
+
+logger = logging.getLogger(__name__)
+
+#: Seconds to wait for a TCP connection to the cluster's GCS before giving up.
+REACH_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast when ``HOST:PORT`` does not accept connections (ray.init would retry long)."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise StoreUnavailableError(
+            f"kvray connector: no Ray cluster reachable at {address!r} ({e}); start one "
+            "(`ray start --head`) or fix RAY_ADDRESS / the 'address' key"
+        ) from e
+
+
+def join_cluster(config: KVRayConfig) -> None:
+    """Make sure this process is connected to the Ray cluster kvray runs on."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise StoreUnavailableError(
+            "kvray connector: no Ray cluster to join: set RAY_ADDRESS or the 'address' key of "
+            "kv_connector_extra_config (use address='local' for a private single-node cluster)"
+        )
+    _check_reachable(address)
+    from kvray.actors.deploy import ensure_ray
+
+    ensure_ray(None if address == "local" else address)
+
+
+def open_store(config: KVRayConfig, *, retries: int = 3) -> object:
+    """Join the cluster, start kvray in the namespace if needed, and connect to it."""
+    import kvray
+
+    join_cluster(config)
+    last: Exception | None = None
+    for attempt in range(retries):
+        try:
+            return kvray.connect(config.namespace, config)
+        except NotStartedError as e:
+            last = e
+            if not config.auto_start:
+                raise
+            logger.info("kvray: starting kvray in namespace %r", config.namespace)
+            try:
+                kvray.start(config)
+            except Exception as start_err:  # a racing rank may win: retry connect
+                last = start_err
+                time.sleep(0.2 * (attempt + 1))
+    raise StoreUnavailableError(
+        f"kvray connector: could not start or connect to namespace {config.namespace!r}: {last}"
+    )

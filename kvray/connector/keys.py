@@ -1,0 +1,123 @@
+"""The key namespace of one engine, derived identically in the scheduler and every worker.
+
+The scheduler has no KV tensors, so the layout part of the fingerprint comes from what both
+processes share: the platform, vLLM's resolved ``kv_cache_layout``, the KV cache spec of the
+(single) attention group and the number of layers. The worker checks at
+``register_kv_caches`` that its real tensors agree with that description (block bytes), so a
+layout the description does not capture is refused instead of serving wrong bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvray.config import KVRayConfig
+from kvray.keys import LayoutFingerprint, block_hash_bytes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the bytes kvray stores for a block change meaning.
+FORMAT_VERSION = "kvray-v1"
+_CRYPTO_HASHES = ("sha256", "sha256_cbor")
+
+
+@dataclass(frozen=True)
+class EngineKeySpace:
+    """Per-engine facts needed to turn vLLM block hashes into kvray keys for every rank."""
+
+    base: LayoutFingerprint
+    #: Ranks whose shards differ (MLA: 1, all ranks read the one shard rank 0 writes).
+    num_shards: int
+    block_size: int
+    #: Bytes one block occupies over all layers of one rank (the layout check of workers).
+    block_nbytes: int
+    num_layers: int
+    #: CPU attention ISA (``vec``, ``amx``...): it changes the bytes of a CPU KV block.
+    variant: str = ""
+
+    def fingerprint(self, tp_rank: int) -> LayoutFingerprint:
+        return self.base.for_rank(tp_rank % self.num_shards)
+
+    def shard_prefixes(self) -> list[bytes]:
+        """One key prefix per distinct shard (every one must hold a block for a hit)."""
+        return [self.base.for_rank(r).prefix for r in range(self.num_shards)]
+
+
+def build_key_space(
+    config: KVRayConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> EngineKeySpace:
+    """Derive the namespace from vLLM's config; raises on layouts kvray cannot key safely."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise NotImplementedError("kvray connector: pipeline parallelism is not supported yet")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        raise NotImplementedError(
+            "kvray connector: only models with one full-attention KV cache group are supported "
+            f"(got {[type(g.kv_cache_spec).__name__ for g in groups]})"
+        )
+    spec = groups[0].kv_cache_spec
+    num_layers = len(groups[0].layer_names)
+    cache = vllm_config.cache_config
+    model_cfg = vllm_config.model_config
+    use_mla = bool(getattr(model_cfg, "use_mla", False))
+    tp_size = parallel.tensor_parallel_size
+    hash_algo = str(cache.prefix_caching_hash_algo)
+    if hash_algo not in _CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        logger.warning(
+            "kvray: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives per-process block "
+            "hashes: engines will not share KV. Use sha256 or set PYTHONHASHSEED everywhere.",
+            hash_algo,
+        )
+    variant = ""
+    if current_platform.device_type == "cpu":
+        from kvray.kernels.layout import detect_cpu_attention_isa
+
+        variant = detect_cpu_attention_isa(spec.dtype, cache.block_size, spec.head_size)
+    layout = "/".join(
+        str(x)
+        for x in (
+            current_platform.device_type,
+            getattr(cache, "kv_cache_layout", None),
+            type(spec).__name__,
+            f"H{spec.num_kv_heads}",
+            f"D{spec.head_size}",
+            f"L{num_layers}",
+            f"P{spec.page_size_bytes}",
+            "mla" if use_mla else "mha",
+            variant,
+        )
+    )
+    model = config.model_id or model_cfg.model
+    base = LayoutFingerprint(
+        model=f"{model}@{model_cfg.revision or ''}",
+        kv_dtype=f"{spec.dtype}/{cache.cache_dtype}",
+        block_size=cache.block_size,
+        hash_algo=hash_algo,
+        layout=layout,
+        tp_size=1 if use_mla else tp_size,
+        tp_rank=0,
+        salt=f"{FORMAT_VERSION}|{config.cache_salt}",
+    )
+    return EngineKeySpace(
+        base=base,
+        num_shards=1 if use_mla else tp_size,
+        block_size=cache.block_size,
+        block_nbytes=spec.page_size_bytes * num_layers,
+        num_layers=num_layers,
+        variant=variant,
+    )
+
+
+def make_keys(prefix: bytes, block_hashes: list[bytes]) -> list[bytes]:
+    return [prefix + block_hash_bytes(h) for h in block_hashes]

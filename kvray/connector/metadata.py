@@ -1,0 +1,118 @@
+"""Small values the scheduler-side and worker-side halves of the connector exchange.
+
+The scheduler plans *jobs* (a load or a store of a run of whole blocks of one request) and names
+each with an integer id. Every TP rank executes its own shard of every job and reports
+``{job_id: 1}`` in its :class:`KVRayWorkerMetadata`; ``aggregate`` sums the reports of all
+ranks, and the scheduler treats a job as done once the sum reaches the world size. Keys travel
+as vLLM block hashes (rank-independent); each rank prefixes them with its own namespace, so the
+metadata is identical for all ranks and small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+ReqId = str
+JobId = int
+
+
+@dataclass
+class LoadSpec:
+    """Copy blocks ``block_hashes[i]`` from kvray into paged-cache block ``block_ids[i]``.
+
+    ``is_async``: the request waits in ``WAITING_FOR_REMOTE_KVS`` and the worker reports it in
+    ``finished_recving``; otherwise the load must complete inside ``start_load_kv``.
+    """
+
+    req_id: ReqId
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    is_async: bool = False
+
+
+@dataclass
+class StoreSpec:
+    """Copy paged-cache blocks ``block_ids[i]`` into kvray under ``block_hashes[i]``.
+
+    ``finish``: the request has finished and its blocks are kept alive for this store only;
+    every rank reports ``req_id`` in ``finished_sending`` once its copy no longer reads them.
+    """
+
+    req_id: ReqId
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    finish: bool = False
+
+
+@dataclass
+class KVRayConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per engine step."""
+
+    loads: dict[JobId, LoadSpec] = field(default_factory=dict)
+    stores: dict[JobId, StoreSpec] = field(default_factory=dict)
+    #: Requests whose blocks are about to be reused (preempted): saves reading them must end.
+    preempted_req_ids: set[ReqId] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.stores or self.preempted_req_ids)
+
+
+@dataclass
+class TransferCounters:
+    """Per-step byte and block counts, summed over ranks; feeds connector stats and tests."""
+
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    failed_blocks: int = 0
+    stored_blocks: int = 0
+    duplicate_blocks: int = 0
+    refused_blocks: int = 0
+    dropped_blocks: int = 0
+    stored_bytes: int = 0
+
+    def add(self, other: TransferCounters) -> TransferCounters:
+        return TransferCounters(
+            **{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__}
+        )
+
+
+@dataclass
+class KVRayWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: job completions since the last step, summed over ranks.
+
+    ``failed_jobs`` counts ranks on which the job's data did not (fully) reach its destination
+    (a load with lost blocks, a store that was refused or dropped): such blocks must not be
+    announced as stored.
+    """
+
+    completed_jobs: dict[JobId, int] = field(default_factory=dict)
+    failed_jobs: dict[JobId, int] = field(default_factory=dict)
+    counters: TransferCounters = field(default_factory=TransferCounters)
+
+    def mark(self, job_id: JobId, ok: bool = True) -> None:
+        self.completed_jobs[job_id] = self.completed_jobs.get(job_id, 0) + 1
+        if not ok:
+            self.failed_jobs[job_id] = self.failed_jobs.get(job_id, 0) + 1
+
+    def is_empty(self) -> bool:
+        return not self.completed_jobs and self.counters == TransferCounters()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVRayWorkerMetadata:
+        assert isinstance(other, KVRayWorkerMetadata)
+        completed = dict(self.completed_jobs)
+        for job_id, n in other.completed_jobs.items():
+            completed[job_id] = completed.get(job_id, 0) + n
+        failed = dict(self.failed_jobs)
+        for job_id, n in other.failed_jobs.items():
+            failed[job_id] = failed.get(job_id, 0) + n
+        return KVRayWorkerMetadata(
+            completed_jobs=completed,
+            failed_jobs=failed,
+            counters=self.counters.add(other.counters),
+        )

@@ -1,0 +1,385 @@
+"""Scheduler side of the kvray connector (runs in vLLM's EngineCore process).
+
+It decides, per engine step, which blocks each worker rank loads from kvray and which it stores,
+and never waits on Ray to do so: hit lengths come from the store client's local view of the
+index (microseconds), and completions come back through the workers' metadata.
+
+Block lifetimes. Workers copy ("gather") a saved block out of the paged cache into a staging
+buffer inside ``wait_for_save`` of the step that planned the store, so once that step's output
+reaches the scheduler no save reads vLLM's blocks any more: a preempted or finished request's
+blocks may be reused right away. The one exception is a request that finishes with full blocks
+not yet stored (decode blocks whose hashes arrived with the last token): ``request_finished``
+keeps its blocks (``delay_free``) for one more step, plans a final store, and the blocks are
+freed when every rank reports the request in ``finished_sending``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvray.config import KVRayConfig
+from kvray.connector.keys import EngineKeySpace, make_keys
+from kvray.connector.metadata import (
+    JobId,
+    KVRayConnectorMetadata,
+    KVRayWorkerMetadata,
+    LoadSpec,
+    ReqId,
+    StoreSpec,
+    TransferCounters,
+)
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: How often ``take_events`` looks for announced blocks that left kvray.
+REMOVED_SCAN_INTERVAL_S = 1.0
+#: A block that failed to load is not offered as a hit again for this long, so a block the
+#: index still lists but no pool can serve cannot make a request retry its load forever.
+FAILED_BLOCK_QUARANTINE_S = 30.0
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    #: The request's current paged-cache block ids (single attention group).
+    block_ids: list[int] = field(default_factory=list)
+    #: Blocks [0, n) are in kvray, being stored, or were hits: never planned again.
+    num_planned_blocks: int = 0
+    #: Locally computed tokens the last ``get_num_new_matched_tokens`` was told about.
+    num_local_tokens: int = 0
+    load_job: JobId | None = None
+    load_is_async: bool = False
+
+
+@dataclass
+class _Job:
+    req_id: ReqId
+    is_store: bool
+    first_block: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    pending: int
+    failed: int = 0
+    #: For KV events: the tokens of the stored blocks and the parent hash.
+    token_ids: list[int] = field(default_factory=list)
+    parent_hash: bytes | None = None
+
+
+class KVRayConnectorScheduler:
+    """Plans loads and stores; tracks jobs until every rank reported them."""
+
+    def __init__(
+        self,
+        config: KVRayConfig,
+        key_space: EngineKeySpace,
+        store: Any,
+        *,
+        world_size: int,
+        lora_enabled: bool = False,
+    ) -> None:
+        self.config = config
+        self.key_space = key_space
+        self.store = store
+        self.block_size = key_space.block_size
+        self.world_size = world_size
+        self._prefixes = key_space.shard_prefixes()
+        self._load_async = config.load_mode == "async"
+        self._job_ids = itertools.count(1)
+        self._reqs: dict[ReqId, _RequestState] = {}
+        self._jobs: dict[JobId, _Job] = {}
+        # Jobs planned since the last build_connector_meta.
+        self._new_loads: dict[JobId, LoadSpec] = {}
+        self._new_stores: dict[JobId, StoreSpec] = {}
+        self._events: list[KVCacheEvent] = []
+        # Hashes announced as BlockStored, checked against the local view for BlockRemoved.
+        self._announced: dict[bytes, None] = {}
+        self._last_scan = 0.0
+        # Block hash -> time until which it is not offered as a hit (it failed to load).
+        self._quarantine: dict[bytes, float] = {}
+        # Block hashes some store job is writing: other requests sharing the prefix skip them.
+        self._storing: dict[bytes, JobId] = {}
+        self._lora_enabled = lora_enabled
+        self.counters = TransferCounters()
+        #: Scheduler-side figures (tests and stats): tokens offered as hits, lookups made.
+        self.hit_tokens = 0
+        self.lookups = 0
+
+    # ---------------------------------------------------------------- lookups
+    def _present_blocks(self, block_hashes: list[bytes]) -> int:
+        """Longest prefix of blocks present in kvray for every shard (local view only)."""
+        n = len(block_hashes)
+        if self._quarantine:
+            now = time.monotonic()
+            for i, h in enumerate(block_hashes):
+                until = self._quarantine.get(h)
+                if until is not None:
+                    if until > now:
+                        n = i
+                        break
+                    del self._quarantine[h]
+        for prefix in self._prefixes:
+            if n == 0:
+                break
+            n = self.store.lookup(make_keys(prefix, block_hashes[:n]))
+        return n
+
+    def _all_shards_have(self, block_hash: bytes) -> bool:
+        return all(self.store.contains(p + block_hash) for p in self._prefixes)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` kvray holds in full blocks on every shard.
+
+        Never the whole prompt: vLLM must compute at least one token to sample from, so a hit
+        stops one token short of ``num_tokens`` (rounded down to a block).
+        """
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _RequestState(request)
+        state.num_local_tokens = num_computed_tokens
+        bs = self.block_size
+        max_blocks = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        start = num_computed_tokens // bs
+        if max_blocks <= start:
+            return 0, False
+        self.lookups += 1
+        hit_blocks = self._present_blocks(list(request.block_hashes[:max_blocks]))
+        if hit_blocks <= start:
+            return 0, False
+        num_tokens = hit_blocks * bs - num_computed_tokens
+        return num_tokens, self._load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _RequestState(request)
+        state.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens == 0:
+            return
+        bs = self.block_size
+        first = state.num_local_tokens // bs
+        last = (state.num_local_tokens + num_external_tokens) // bs
+        assert state.num_local_tokens % bs == 0 and num_external_tokens % bs == 0
+        hashes = [bytes(h) for h in request.block_hashes[first:last]]
+        job_id = next(self._job_ids)
+        self._new_loads[job_id] = LoadSpec(
+            req_id=request.request_id,
+            block_ids=state.block_ids[first:last],
+            block_hashes=hashes,
+            is_async=self._load_async,
+        )
+        self._jobs[job_id] = _Job(
+            req_id=request.request_id,
+            is_store=False,
+            first_block=first,
+            block_ids=state.block_ids[first:last],
+            block_hashes=hashes,
+            pending=self.world_size,
+        )
+        state.load_job = job_id
+        state.load_is_async = self._load_async
+        # Hits are not stored again; a failed load lowers this (update_connector_output).
+        state.num_planned_blocks = max(state.num_planned_blocks, last)
+        self.hit_tokens += num_external_tokens
+
+    # ---------------------------------------------------------------- stores
+    def _plan_store(
+        self, state: _RequestState, upto_blocks: int, *, finish: bool = False
+    ) -> JobId | None:
+        """A store job for blocks [planned, upto) that kvray does not hold yet."""
+        first = state.num_planned_blocks
+        if upto_blocks <= first:
+            return None
+        state.num_planned_blocks = upto_blocks
+        req = state.request
+        idx = [
+            i
+            for i in range(first, upto_blocks)
+            if bytes(req.block_hashes[i]) not in self._storing
+            and not self._all_shards_have(bytes(req.block_hashes[i]))
+        ]
+        if not idx:
+            return None
+        bs = self.block_size
+        hashes = [bytes(req.block_hashes[i]) for i in idx]
+        block_ids = [state.block_ids[i] for i in idx]
+        job_id = next(self._job_ids)
+        self._new_stores[job_id] = StoreSpec(
+            req_id=req.request_id, block_ids=block_ids, block_hashes=hashes, finish=finish
+        )
+        contiguous = idx == list(range(idx[0], idx[-1] + 1))
+        for h in hashes:
+            self._storing[h] = job_id
+        self._jobs[job_id] = _Job(
+            req_id=req.request_id,
+            is_store=True,
+            first_block=idx[0],
+            block_ids=block_ids,
+            block_hashes=hashes,
+            pending=self.world_size,
+            token_ids=list(req.all_token_ids[idx[0] * bs : (idx[-1] + 1) * bs])
+            if contiguous
+            else [],
+            parent_hash=bytes(req.block_hashes[idx[0] - 1]) if idx[0] > 0 else None,
+        )
+        return job_id
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayConnectorMetadata:
+        """This step's loads (planned at allocation) and stores (blocks this step fills)."""
+        block_state = scheduler_output.kv_connector_block_state
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            if block_state is not None:
+                ids = block_state.get_block_ids(req_id)
+                if ids is not None:
+                    state.block_ids = list(ids[0])
+            req = state.request
+            # num_computed_tokens is advanced after this call: add this step's tokens.
+            computed = req.num_computed_tokens + num_new
+            full = min(len(req.block_hashes), computed // self.block_size, len(state.block_ids))
+            self._plan_store(state, full)
+        meta = KVRayConnectorMetadata(
+            loads=self._new_loads,
+            stores=self._new_stores,
+            preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+        )
+        self._new_loads = {}
+        self._new_stores = {}
+        return meta
+
+    # ---------------------------------------------------------------- completions
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        invalid = set(output.invalid_block_ids or ())
+        if invalid:
+            self._on_invalid_blocks(invalid)
+        if not isinstance(meta, KVRayWorkerMetadata):
+            return
+        self.counters = self.counters.add(meta.counters)
+        for job_id, n in meta.completed_jobs.items():
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            job.pending -= n
+            job.failed += meta.failed_jobs.get(job_id, 0)
+            if job.pending > 0:
+                continue
+            del self._jobs[job_id]
+            state = self._reqs.get(job.req_id)
+            if job.is_store:
+                for h in job.block_hashes:
+                    if self._storing.get(h) == job_id:
+                        del self._storing[h]
+                if job.failed == 0:
+                    self._emit_stored(job)
+                elif state is not None:
+                    # Some rank could not store: let a later step try these blocks again.
+                    state.num_planned_blocks = min(state.num_planned_blocks, job.first_block)
+            elif state is not None and state.load_job == job_id:
+                state.load_job = None
+
+    def _on_invalid_blocks(self, invalid: set[int]) -> None:
+        """Blocks a load failed to fill are recomputed by vLLM: plan to store them again."""
+        for job in self._jobs.values():
+            if job.is_store:
+                continue
+            bad = [i for i, b in enumerate(job.block_ids) if b in invalid]
+            if not bad:
+                continue
+            until = time.monotonic() + FAILED_BLOCK_QUARANTINE_S
+            self._quarantine.update(dict.fromkeys(job.block_hashes[bad[0] :], until))
+            state = self._reqs.get(job.req_id)
+            if state is not None:
+                state.num_planned_blocks = min(state.num_planned_blocks, job.first_block + bad[0])
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Store the last full blocks of a finished request, keeping them until it is done."""
+        from vllm.v1.request import RequestStatus
+
+        state = self._reqs.pop(request.request_id, None)
+        if state is None or (state.load_job is not None and state.load_is_async):
+            # An async load may still be writing these blocks: they hold nothing to store.
+            return False, None
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False, None
+        state.block_ids = list(block_ids)
+        full = min(
+            len(request.block_hashes),
+            request.num_computed_tokens // self.block_size,
+            len(state.block_ids),
+        )
+        job = self._plan_store(state, full, finish=True)
+        return job is not None, None
+
+    # ---------------------------------------------------------------- events
+    def _emit_stored(self, job: _Job) -> None:
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        self._announced.update(dict.fromkeys(job.block_hashes))
+        self._events.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in job.block_hashes],  # type: ignore[arg-type]
+                parent_block_hash=maybe_convert_block_hash(job.parent_hash)  # type: ignore[arg-type]
+                if job.parent_hash is not None
+                else None,
+                token_ids=job.token_ids,
+                block_size=self.block_size,
+                lora_id=None,
+                medium=MEDIUM_CPU,
+                lora_name=None,
+            )
+        )
+
+    def removed_hashes(self, block_hashes: Iterable[bytes]) -> None:
+        """Announce blocks that left kvray (evicted or lost) as ``BlockRemoved``."""
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        hashes = [maybe_convert_block_hash(h) for h in block_hashes]  # type: ignore[arg-type]
+        if hashes:
+            self._events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        now = time.monotonic()
+        if self._announced and now - self._last_scan >= REMOVED_SCAN_INTERVAL_S:
+            # Evictions and node losses reach this process through the store's local view;
+            # a scan of what we announced (dict lookups) at most once a second finds them.
+            self._last_scan = now
+            gone = [h for h in self._announced if not self._all_shards_have(h)]
+            for h in gone:
+                del self._announced[h]
+            self.removed_hashes(gone)
+        events, self._events = self._events, []
+        return events
+
+    # ---------------------------------------------------------------- introspection
+    def num_pending_jobs(self) -> int:
+        return len(self._jobs)
+
+    def num_tracked_requests(self) -> int:
+        return len(self._reqs)
+
+    def shutdown(self) -> None:
+        self._reqs.clear()
+        self._jobs.clear()
+        self._storing.clear()

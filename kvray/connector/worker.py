@@ -1,0 +1,324 @@
+"""Worker side of the kvray connector (one instance per TP rank, in vLLM's worker process).
+
+Saves: inside ``wait_for_save`` each planned block is gathered (all layers of this rank's shard)
+into a staging buffer, and the buffer is handed to ``store.put``, which copies it into Ray from a
+background thread. So neither the forward pass nor ``wait_for_save`` waits on Ray, and once
+``wait_for_save`` returns no save reads vLLM's paged blocks any more (on a GPU the gather's
+device-to-host copy is synchronised first). A staging budget (``staging_bytes``) bounds the
+memory of puts in flight; beyond it a save is dropped and counted, never queued.
+
+Loads: ``sync`` loads complete inside ``start_load_kv`` (vLLM calls it before the forward when
+the step has one); ``async`` loads run on a thread and report through ``finished_recving``.
+Missing, lost or corrupt blocks never reach the paged cache: their block ids (from the first bad
+one on) go to ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvray.config import KVRayConfig
+from kvray.connector.keys import EngineKeySpace, make_keys
+from kvray.connector.metadata import (
+    JobId,
+    KVRayConnectorMetadata,
+    KVRayWorkerMetadata,
+    LoadSpec,
+    ReqId,
+    StoreSpec,
+    TransferCounters,
+)
+from kvray.errors import BlockLostError
+from kvray.kernels import BlockMover, StagingPool, StagingPoolExhausted, describe_kv_caches
+
+logger = logging.getLogger(__name__)
+
+
+class KVRayConnectorWorker:
+    """Executes the scheduler's jobs for one TP rank and reports them back."""
+
+    def __init__(
+        self,
+        config: KVRayConfig,
+        key_space: EngineKeySpace,
+        store: Any,
+        *,
+        tp_rank: int,
+        layout_hint: str | None = None,
+    ) -> None:
+        self.config = config
+        self.key_space = key_space
+        self.store = store
+        self.tp_rank = tp_rank
+        self.prefix = key_space.fingerprint(tp_rank).prefix
+        # MLA: every rank holds the same latent KV; rank 0 alone writes the single shard.
+        self.is_writer = key_space.num_shards > 1 or tp_rank == 0
+        self.layout_hint = layout_hint
+        self.mover: Any = None
+        self.staging: StagingPool | None = None
+        self.block_nbytes = 0
+        self.device = torch.device("cpu")
+        self._lock = threading.Lock()
+        self._meta = KVRayWorkerMetadata()
+        self._finished_sending: set[ReqId] = set()
+        self._finished_recving: set[ReqId] = set()
+        self._failed_recving: set[ReqId] = set()
+        self._load_errors: set[int] = set()
+        self._puts: dict[JobId, Future[Any]] = {}
+        self._loader: ThreadPoolExecutor | None = None
+
+    # ---------------------------------------------------------------- setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        self.device = first.device
+        layout = describe_kv_caches(
+            kv_caches, block_size=self.key_space.block_size, layout_hint=self.layout_hint
+        )
+        ks = self.key_space
+        if layout.block_nbytes != ks.block_nbytes or (
+            ks.variant and layout.variant and layout.variant != ks.variant
+        ):
+            raise RuntimeError(
+                f"kvray connector: the KV caches ({layout.kind}:{layout.variant}, "
+                f"{layout.block_nbytes} B/block) do not match the key namespace "
+                f"({ks.base.layout}, {ks.block_nbytes} B/block); refusing to share them"
+            )
+        self.block_nbytes = int(layout.block_nbytes)
+        self.mover = BlockMover(kv_caches, layout)
+        max_blocks = max(1, self.config.staging_bytes // self.block_nbytes)
+        self.staging = StagingPool(self.block_nbytes, max_blocks, "cpu")
+        logger.info(
+            "kvray worker rank %d: %d layers, %d B per block, layout %s, %d staging blocks",
+            self.tp_rank,
+            layout.num_layers,
+            self.block_nbytes,
+            layout.fingerprint,
+            max_blocks,
+        )
+
+    def _lease(self, n: int) -> Any | None:
+        """Staging rows for ``n`` blocks without waiting (None when the pool is full)."""
+        assert self.staging is not None
+        if n > self.staging.max_blocks:
+            return None
+        try:
+            return self.staging.acquire(n, timeout=0)
+        except StagingPoolExhausted:
+            return None
+
+    # ---------------------------------------------------------------- loads
+    def start_load_kv(self, meta: KVRayConnectorMetadata) -> None:
+        for job_id, spec in meta.loads.items():
+            if spec.is_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvray-load")
+                self._loader.submit(self._load_async, job_id, spec)
+            else:
+                self._load(job_id, spec)
+
+    def _load_async(self, job_id: JobId, spec: LoadSpec) -> None:
+        try:
+            ok = self._load(job_id, spec)
+        except Exception:  # never leave a request waiting forever
+            logger.exception("kvray: async load of %s failed", spec.req_id)
+            ok = False
+            with self._lock:
+                self._load_errors.update(spec.block_ids)
+                self._meta.mark(job_id, ok=False)
+        # Errors are published no later than the request's finished_recving (same lock).
+        with self._lock:
+            if not ok:
+                self._failed_recving.add(spec.req_id)
+            self._finished_recving.add(spec.req_id)
+
+    def _fetch(self, keys: list[bytes]) -> tuple[list[np.ndarray], str]:
+        """The longest readable prefix of ``keys`` (and why it stops short, if it does)."""
+        try:
+            return self.store.get(keys, timeout=self.config.get_timeout_s), ""
+        except BlockLostError as e:
+            missing = set(e.keys)
+            first = next(i for i, k in enumerate(keys) if k in missing)
+            why = e.reason
+        except Exception as e:  # pool or cluster unavailable: recompute everything
+            return [], f"{type(e).__name__}: {e}"
+        if first == 0:
+            return [], why
+        got, _ = self._fetch(keys[:first])
+        return got, why
+
+    def _load(self, job_id: JobId, spec: LoadSpec) -> bool:
+        t0 = time.perf_counter()
+        keys = make_keys(self.prefix, spec.block_hashes)
+        arrays, why = self._fetch(keys)
+        n = len(arrays)
+        if n:
+            self._scatter(spec.block_ids[:n], arrays)
+        bad = spec.block_ids[n:]
+        if bad:
+            logger.warning(
+                "kvray: %d of %d blocks of %s not loaded (%s); vLLM recomputes them",
+                len(bad),
+                len(keys),
+                spec.req_id,
+                why,
+            )
+        with self._lock:
+            c = self._meta.counters
+            c.loaded_blocks += n
+            c.loaded_bytes += n * self.block_nbytes
+            c.load_seconds += time.perf_counter() - t0
+            c.failed_blocks += len(bad)
+            if bad:
+                self._load_errors.update(bad)
+            self._meta.mark(job_id, ok=not bad)
+        return not bad
+
+    def _scatter(self, block_ids: list[int], arrays: list[np.ndarray]) -> None:
+        """Copy fetched blocks into the paged cache, straight from Ray's buffers when it can.
+
+        Blocks of one segment usually lie back to back in the object store: each such run is
+        viewed as one ``[k, block_nbytes]`` array and scattered without an intermediate copy.
+        Anything else goes through staging rows.
+        """
+        nb = self.block_nbytes
+        i = 0
+        while i < len(arrays):
+            j = i + 1
+            base = arrays[i].ctypes.data
+            while (
+                j < len(arrays)
+                and arrays[j].nbytes == nb
+                and arrays[j].ctypes.data == base + (j - i) * nb
+            ):
+                j += 1
+            if arrays[i].nbytes == nb and self.device.type == "cpu":
+                run = np.lib.stride_tricks.as_strided(arrays[i], shape=(j - i, nb), strides=(nb, 1))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only: we only read it
+                    src = torch.from_numpy(run)
+                self.mover.scatter(block_ids[i:j], src)
+            else:
+                lease = self._lease(j - i)
+                buf = lease.tensor if lease is not None else torch.empty(
+                    (j - i, nb), dtype=torch.uint8
+                )
+                try:
+                    view = buf.numpy()
+                    for k in range(i, j):
+                        view[k - i] = arrays[k]
+                    self.mover.scatter(block_ids[i:j], buf)
+                finally:
+                    if lease is not None:
+                        lease.release()
+            i = j
+
+    # ---------------------------------------------------------------- saves
+    def wait_for_save(self, meta: KVRayConnectorMetadata) -> None:
+        for job_id, spec in meta.stores.items():
+            self._save(job_id, spec)
+
+    def _save(self, job_id: JobId, spec: StoreSpec) -> None:
+        n = len(spec.block_ids)
+        if not self.is_writer:
+            self._done(job_id, spec, ok=True)
+            return
+        lease = self._lease(n)
+        if lease is None:
+            logger.warning("kvray: staging full, dropping a save of %d blocks", n)
+            with self._lock:
+                self._meta.counters.dropped_blocks += n
+            self._done(job_id, spec, ok=False)
+            return
+        buf = lease.tensor
+        try:
+            self.mover.gather(spec.block_ids, buf)
+        except Exception:
+            logger.exception("kvray: gather for a save failed")
+            lease.release()
+            self._done(job_id, spec, ok=False)
+            return
+        if spec.finish:
+            with self._lock:  # the paged blocks are no longer read: vLLM may free them
+                self._finished_sending.add(spec.req_id)
+        keys = make_keys(self.prefix, spec.block_hashes)
+        rows = buf.numpy()
+        try:
+            fut = self.store.put(keys, [rows[i] for i in range(n)])
+        except Exception:
+            logger.exception("kvray: put failed")
+            lease.release()
+            self._done(job_id, spec, ok=False)
+            return
+        self._puts[job_id] = fut
+        fut.add_done_callback(lambda f: self._put_done(job_id, n, f, lease))
+
+    def _put_done(self, job_id: JobId, n: int, fut: Future[Any], lease: Any) -> None:
+        lease.release()  # the staging rows are reusable once Ray owns a copy
+        ok = False
+        with self._lock:
+            self._puts.pop(job_id, None)
+            c = self._meta.counters
+            try:
+                r = fut.result()
+                c.stored_blocks += r.stored
+                c.duplicate_blocks += r.duplicate
+                c.refused_blocks += r.refused
+                c.stored_bytes += r.stored * self.block_nbytes
+                ok = r.refused == 0
+            except Exception as e:
+                logger.warning("kvray: a put of %d blocks failed: %s", n, e)
+                c.refused_blocks += n
+            self._meta.mark(job_id, ok=ok)
+
+    def _done(self, job_id: JobId, spec: StoreSpec, *, ok: bool) -> None:
+        with self._lock:
+            self._meta.mark(job_id, ok=ok)
+            if spec.finish:
+                self._finished_sending.add(spec.req_id)
+
+    def handle_preemptions(self, meta: KVRayConnectorMetadata) -> None:
+        """Nothing to fence: saves copy blocks out inside ``wait_for_save`` of their step."""
+
+    # ---------------------------------------------------------------- reports
+    def get_finished(self) -> tuple[set[ReqId], set[ReqId], set[ReqId]]:
+        with self._lock:
+            sending, self._finished_sending = self._finished_sending, set()
+            recving, self._finished_recving = self._finished_recving, set()
+            failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVRayWorkerMetadata | None:
+        with self._lock:
+            if self._meta.is_empty():
+                return None
+            meta, self._meta = self._meta, KVRayWorkerMetadata()
+        return meta
+
+    def counters(self) -> TransferCounters:
+        return self._meta.counters
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for puts in flight (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        for fut in list(self._puts.values()):
+            with contextlib.suppress(Exception):
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+
+    def shutdown(self) -> None:
+        self.flush(timeout=5.0)
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)

@@ -1,0 +1,330 @@
+"""Helpers for tests (and the benchmark) that run real vLLM engines on the CPU.
+
+A tiny random Llama is written to disk at test time (no download, seconds), prompts are given
+as token ids (``skip_tokenizer_init``), and the model runs in float32 so that greedy token ids
+are exactly reproducible whichever path (recompute, vLLM prefix hit, kvray hit) computed the KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: Tokens per KV block in every test (the CPU backend wants a multiple of 32).
+BLOCK_SIZE = 32
+VOCAB = 512
+
+
+def build_tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate: int = 512,
+    vocab: int = VOCAB,
+    max_pos: int = 8192,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> str:
+    """Write a random Llama checkpoint (config + safetensors) to ``path`` and return it.
+
+    Idempotent: an existing checkpoint with the same config is reused.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(path)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype=dtype,
+    )
+    marker = out / "kvray_model.json"
+    want = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    if marker.exists() and marker.read_text() == want:
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    # Larger-than-default init spreads the logits so greedy argmax ties are rare.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(want)
+    return str(out)
+
+
+def make_prompts(
+    n: int, prefix_len: int, suffix_len: int, *, seed: int = 0, vocab: int = VOCAB
+) -> list[list[int]]:
+    """``n`` prompts sharing one random prefix of ``prefix_len`` tokens, then distinct suffixes."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(suffix_len)] for _ in range(n)]
+
+
+def kvray_transfer_config(namespace: str, **extra: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` a user passes to select kvray."""
+    return {
+        "kv_connector": "KVRayConnector",
+        "kv_connector_module_path": "kvray.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"namespace": namespace, **extra},
+    }
+
+
+def engine_kwargs(
+    model: str,
+    *,
+    kv_transfer_config: dict[str, Any] | None = None,
+    max_model_len: int = 2048,
+    kv_cache_bytes: int = 64 << 20,
+    tp: int = 1,
+    **more: Any,
+) -> dict[str, Any]:
+    """Arguments for ``vllm.LLM`` that run on a 2-core CPU box in ~15 s."""
+    kw: dict[str, Any] = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        max_num_seqs=8,
+        max_num_batched_tokens=max(max_model_len, 2048),
+        seed=0,
+        tensor_parallel_size=tp,
+    )
+    if tp == 1:
+        kw["distributed_executor_backend"] = "uni"
+    if kv_transfer_config is not None:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
+    kw.update(more)
+    return kw
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Any]:
+    """Greedy generation from token-id prompts; returns vLLM's RequestOutputs in order."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False
+    )
+
+
+def token_ids(outputs: Sequence[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def cached_tokens(outputs: Sequence[Any]) -> list[int]:
+    return [int(o.num_cached_tokens or 0) for o in outputs]
+
+
+def close_llm(llm: Any) -> None:
+    """Tear an in-process engine down so that another one can start in this process."""
+    import gc
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:
+        pass
+    gc.collect()
+
+
+def connector_of(llm: Any) -> Any:
+    """The scheduler-role kvray connector of an in-process engine (None if not in-process)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    return getattr(sched, "connector", None)
+
+
+def worker_connector_of(llm: Any) -> Any:
+    """The worker-role connector of an in-process, single-rank engine."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    """Run one engine in this (fresh) process: ``python vllm_helpers.py run ...``.
+
+    Used by tests and the benchmark for "another process" engines, in vLLM's default
+    multiprocess mode (EngineCore and workers in their own processes).
+    """
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["run"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--namespace")
+    ap.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat after reset_prefix_cache")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from vllm import LLM
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    ktc = kvray_transfer_config(args.namespace) if args.namespace else None
+    kw = engine_kwargs(
+        args.model, kv_transfer_config=ktc, tp=args.tp, max_model_len=args.max_model_len
+    )
+    kw.pop("distributed_executor_backend", None)
+    llm = LLM(**kw)
+    rounds = []
+    for r in range(args.rounds):
+        if r:
+            if args.namespace:
+                wait_for_stored_blocks(args.namespace)
+            llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = generate(llm, prompts, max_tokens=args.max_tokens)
+        rounds.append(
+            {
+                "tokens": token_ids(outs),
+                "cached": cached_tokens(outs),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+    Path(args.out).write_text(json.dumps({"rounds": rounds}))
+    del llm
+
+
+def wait_for_stored_blocks(namespace: str, timeout: float = 30.0) -> int:
+    """Wait until the number of blocks kvray holds stops growing (saves in flight landed)."""
+    import time
+
+    import ray
+
+    import kvray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+    store = kvray.connect(namespace)
+    deadline = time.monotonic() + timeout
+    last = -1
+    while time.monotonic() < deadline:
+        store.sync()
+        n = int(store.stats()["totals"].get("blocks", 0))
+        if n > 0 and n == last:
+            break
+        last = n
+        time.sleep(0.5)
+    store.close()
+    return last
+
+
+def run_engine_process(
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    workdir: str | os.PathLike[str],
+    *,
+    namespace: str | None = None,
+    tp: int = 1,
+    rounds: int = 1,
+    max_tokens: int = 8,
+    env: dict[str, str] | None = None,
+    timeout: float = 300.0,
+) -> list[dict[str, Any]]:
+    """Run an engine in a fresh Python process (default multiprocess mode); its rounds."""
+    import subprocess
+    import sys
+    import uuid
+
+    wd = Path(workdir)
+    tag = uuid.uuid4().hex[:8]
+    pfile, ofile = wd / f"prompts-{tag}.json", wd / f"out-{tag}.json"
+    pfile.write_text(json.dumps([list(p) for p in prompts]))
+    cmd = [sys.executable, os.path.abspath(__file__), "run", "--model", model]
+    cmd += ["--prompts", str(pfile), "--out", str(ofile), "--tp", str(tp)]
+    cmd += ["--rounds", str(rounds), "--max-tokens", str(max_tokens)]
+    if namespace:
+        cmd += ["--namespace", namespace]
+    full_env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", **(env or {})}
+    full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine process failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(ofile.read_text())["rounds"]
+
+
+if __name__ == "__main__":
+    _main()
+
+
+def engine_actor(**options: Any) -> Any:
+    """A Ray actor class hosting one in-process kvray-enabled engine (pin it with resources)."""
+    import ray
+
+    @ray.remote(num_cpus=0, **options)
+    class EngineActor:
+        def __init__(self, model: str, namespace: str, extra: dict[str, Any] | None = None):
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            from vllm import LLM
+
+            ktc = kvray_transfer_config(namespace, **(extra or {}))
+            self.llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def generate(
+            self, prompts: list[list[int]], max_tokens: int = 8, reset: bool = False
+        ) -> dict[str, Any]:
+            if reset:
+                self.llm.reset_prefix_cache()
+            outs = generate(self.llm, prompts, max_tokens=max_tokens)
+            return {"tokens": token_ids(outs), "cached": cached_tokens(outs)}
+
+        def flush(self) -> dict[str, Any]:
+            """Wait until this engine's saves are in kvray and visible; its counters."""
+            conn = worker_connector_of(self.llm)
+            conn.worker.flush()
+            sched = connector_of(self.llm)
+            sched.store.sync()
+            return {"hit_tokens": sched.scheduler.hit_tokens}
+
+        def close(self) -> None:
+            close_llm(self.llm)
+
+    return EngineActor
