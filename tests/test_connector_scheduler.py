@@ -133,9 +133,9 @@ class Harness:
         assert self.scheduler.reset_prefix_cache()
 
     def block_matches(self, block_id: int, tokens: list[int], first_pos: int) -> bool:
-        want = torch.tensor(
-            [expected_value(t, first_pos + i) for i, t in enumerate(tokens)]
-        ).view(1, BLOCK_SIZE, 1)
+        want = torch.tensor([expected_value(t, first_pos + i) for i, t in enumerate(tokens)]).view(
+            1, BLOCK_SIZE, 1
+        )
         return all(
             bool((t[block_id] == want.expand(KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)).all())
             for t in self.kv.values()

@@ -282,9 +282,7 @@ def test_index_restart_restores_entries_from_pools(kvray_ns: str) -> None:
 
 
 def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluster) -> None:
-    node = ray_cluster.add_node(
-        num_cpus=1, object_store_memory=128 << 20, resources={"node_c": 1}
-    )
+    node = ray_cluster.add_node(num_cpus=1, object_store_memory=128 << 20, resources={"node_c": 1})
     ray_cluster.wait_for_nodes()
     store = kvray.connect(kvray_ns)
     # A node that joins after start gets its pool.

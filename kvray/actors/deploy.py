@@ -47,8 +47,10 @@ def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> No
         ray.init(address=target, namespace=RAY_NAMESPACE, log_to_driver=False)
     except (ConnectionError, ray.exceptions.AuthenticationError) as e:
         chain = _error_chain(e)
-        if "InvalidAuthToken" in chain or "Unauthenticated" in chain or isinstance(
-            e, ray.exceptions.AuthenticationError
+        if (
+            "InvalidAuthToken" in chain
+            or "Unauthenticated" in chain
+            or isinstance(e, ray.exceptions.AuthenticationError)
         ):
             raise StoreUnavailableError(
                 f"kvray: the Ray cluster at {target} requires a valid auth token: set "

@@ -83,8 +83,10 @@ def _tp_rank() -> int:
 class KVRayConnector(KVConnectorBase_V1):
     """Shares prefix KV blocks between vLLM instances anywhere on a Ray cluster."""
 
-    _cache_hit_source = CacheHitSource.HOST if hasattr(CacheHitSource, "HOST") else (
-        CacheHitSource.EXTERNAL_UNSPECIFIED
+    _cache_hit_source = (
+        CacheHitSource.HOST
+        if hasattr(CacheHitSource, "HOST")
+        else (CacheHitSource.EXTERNAL_UNSPECIFIED)
     )
 
     def __init__(
@@ -96,9 +98,7 @@ class KVRayConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = KVRayConfig.from_dict(extra)
-        self.key_space: EngineKeySpace = build_key_space(
-            self.config, vllm_config, kv_cache_config
-        )
+        self.key_space: EngineKeySpace = build_key_space(self.config, vllm_config, kv_cache_config)
         self.store: Any = open_store(self.config)
         parallel = vllm_config.parallel_config
         self.connector_scheduler: KVRayConnectorScheduler | None = None

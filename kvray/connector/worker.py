@@ -208,8 +208,10 @@ class KVRayConnectorWorker:
                 self.mover.scatter(block_ids[i:j], src)
             else:
                 lease = self._lease(j - i)
-                buf = lease.tensor if lease is not None else torch.empty(
-                    (j - i, nb), dtype=torch.uint8
+                buf = (
+                    lease.tensor
+                    if lease is not None
+                    else torch.empty((j - i, nb), dtype=torch.uint8)
                 )
                 try:
                     view = buf.numpy()
