@@ -158,6 +158,9 @@ def stop(namespace: str = "default") -> int:
     if index is not None:
         try:
             ray.get(index.shutdown.remote(), timeout=10)
+            # Waiting long polls return "stopped" at once; give them a moment to get out so
+            # Ray does not retry them against a dead actor.
+            time.sleep(0.2)
         except Exception:
             logger.warning("kvray stop: index did not answer; killing it anyway")
         ray.kill(index, no_restart=True)
