@@ -416,13 +416,17 @@ def test_bad_extra_config_is_one_clear_error(model_dir: str, kvray_ns: str) -> N
         make_harness(model_dir, kvray_ns, nmespace_typo="x")
 
 
-def test_unreachable_cluster_fails_fast() -> None:
-    from kvray.connector.cluster import _check_reachable
+def test_unreachable_cluster_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from kvray.config import KVRayConfig
+    from kvray.connector import cluster
     from kvray.errors import StoreUnavailableError
 
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     t0 = time.monotonic()
-    with pytest.raises(StoreUnavailableError, match="no Ray cluster reachable"):
-        _check_reachable("127.0.0.1:1")
+    with pytest.raises(StoreUnavailableError, match="no Ray cluster answers at"):
+        cluster.join_cluster(KVRayConfig(address="127.0.0.1:1"))
     assert time.monotonic() - t0 < 10
 
 

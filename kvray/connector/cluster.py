@@ -16,34 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 
 from kvray.config import KVRayConfig
 from kvray.errors import NotStartedError, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
-
-#: Seconds to wait for a TCP connection to the cluster's GCS before giving up.
-REACH_TIMEOUT_S = 5.0
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast when ``HOST:PORT`` does not accept connections (ray.init would retry long)."""
-    if address in ("auto", "local") or address.startswith("ray://"):
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return
-    try:
-        with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S):
-            pass
-    except OSError as e:
-        raise StoreUnavailableError(
-            f"kvray connector: no Ray cluster reachable at {address!r} ({e}); start one "
-            "(`ray start --head`) or fix RAY_ADDRESS / the 'address' key"
-        ) from e
-
 
 def join_cluster(config: KVRayConfig) -> None:
     """Make sure this process is connected to the Ray cluster kvray runs on."""
@@ -57,10 +35,9 @@ def join_cluster(config: KVRayConfig) -> None:
             "kvray connector: no Ray cluster to join: set RAY_ADDRESS or the 'address' key of "
             "kv_connector_extra_config (use address='local' for a private single-node cluster)"
         )
-    _check_reachable(address)
     from kvray.actors.deploy import ensure_ray
 
-    ensure_ray(None if address == "local" else address)
+    ensure_ray(address)  # probes HOST:PORT first: an unreachable cluster fails in seconds
 
 
 def open_store(config: KVRayConfig, *, retries: int = 3) -> object:
