@@ -42,6 +42,13 @@ from kvray.kernels import BlockMover, StagingPool, StagingPoolExhausted, describ
 
 logger = logging.getLogger(__name__)
 
+#: While async loads are in flight and none has finished, ``get_finished`` (called once per
+#: engine step) waits up to this long for one. Without it an idle engine loop spins through
+#: empty steps holding the GIL, and the loader thread (Python between its Ray calls, the
+#: checksums, the copy hand-offs) runs only in the interpreter's 5 ms switch slices: loads took
+#: 5-20x their sync time. Waiting on a condition releases the GIL to the loader.
+ASYNC_LOAD_WAIT_S = 0.005
+
 
 class KVRayConnectorWorker:
     """Executes the scheduler's jobs for one TP rank and reports them back."""
@@ -68,6 +75,9 @@ class KVRayConnectorWorker:
         self.block_nbytes = 0
         self.device = torch.device("cpu")
         self._lock = threading.Lock()
+        #: Signalled (under ``_lock``) when an async load finishes.
+        self._load_cv = threading.Condition(self._lock)
+        self._async_inflight = 0
         self._meta = KVRayWorkerMetadata()
         self._finished_sending: set[ReqId] = set()
         self._finished_recving: set[ReqId] = set()
@@ -121,7 +131,14 @@ class KVRayConnectorWorker:
             if spec.is_async:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvray-load")
-                self._loader.submit(self._load_async, job_id, spec)
+                with self._lock:
+                    self._async_inflight += 1
+                try:
+                    self._loader.submit(self._load_async, job_id, spec)
+                except Exception:
+                    with self._lock:
+                        self._async_inflight -= 1
+                    raise
             else:
                 self._load(job_id, spec)
 
@@ -139,6 +156,8 @@ class KVRayConnectorWorker:
             if not ok:
                 self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
+            self._async_inflight -= 1
+            self._load_cv.notify_all()
 
     def _fetch(self, keys: list[bytes]) -> tuple[list[np.ndarray], str]:
         """The longest readable prefix of ``keys`` (and why it stops short, if it does)."""
@@ -293,6 +312,8 @@ class KVRayConnectorWorker:
     # ---------------------------------------------------------------- reports
     def get_finished(self) -> tuple[set[ReqId], set[ReqId], set[ReqId]]:
         with self._lock:
+            if self._async_inflight > 0 and not self._finished_recving:
+                self._load_cv.wait(ASYNC_LOAD_WAIT_S)
             sending, self._finished_sending = self._finished_sending, set()
             recving, self._finished_recving = self._finished_recving, set()
             failed, self._failed_recving = self._failed_recving, set()
