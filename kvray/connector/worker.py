@@ -198,6 +198,8 @@ class KVRayConnectorWorker:
             c.failed_blocks += len(bad)
             if bad:
                 self._load_errors.update(bad)
+        if n and self.tp_rank == 0:  # one rank counts tokens for the dashboard
+            self.store.tally.tokens_loaded += n * self.key_space.block_size
             self._meta.mark(job_id, ok=not bad)
         return not bad
 
