@@ -84,6 +84,10 @@ def build_key_space(
         from kvray.kernels.layout import detect_cpu_attention_isa
 
         variant = detect_cpu_attention_isa(spec.dtype, cache.block_size, spec.head_size)
+        if not variant:
+            # ISA unknown (e.g. an fp8 cache, where it depends on the model dtype): key by the
+            # host features vLLM picks it from, so AMX and non-AMX hosts never share blocks.
+            variant = _cpu_features(str(model_cfg.dtype))
     layout = "/".join(
         str(x)
         for x in (
@@ -117,6 +121,14 @@ def build_key_space(
         num_layers=num_layers,
         variant=variant,
     )
+
+
+def _cpu_features(model_dtype: str) -> str:
+    import torch
+
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    avx512 = bool(getattr(torch.cpu, "_is_avx512_supported", lambda: False)())
+    return f"isa?/{model_dtype}/amx{int(amx)}/avx512{int(avx512)}"
 
 
 def make_keys(prefix: bytes, block_hashes: list[bytes]) -> list[bytes]:
