@@ -70,9 +70,8 @@ class _View:
         self.seq = -1
 
     def apply(self, ch: Changes) -> None:
-        if ch.snapshot:
-            self.where = {}
-        where = self.where
+        # A snapshot is built aside and swapped in, so concurrent lookups never see it half full.
+        where: dict[bytes, int | tuple[int, ...]] = {} if ch.snapshot else self.where
         for slot, added, removed in ch.records:
             for k in added:
                 v = where.get(k)
@@ -93,6 +92,7 @@ class _View:
                 else:
                     rest = tuple(s for s in v if s != slot)
                     where[k] = rest[0] if len(rest) == 1 else rest
+        self.where = where
         self.nodes = ch.nodes
         self.epoch, self.seq = ch.epoch, ch.seq
 
