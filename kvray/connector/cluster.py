@@ -23,6 +23,7 @@ from kvray.errors import NotStartedError, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 
+
 def join_cluster(config: KVRayConfig) -> None:
     """Make sure this process is connected to the Ray cluster kvray runs on."""
     import ray
