@@ -75,11 +75,6 @@ def make_keys(prefix: bytes, block_hashes: Iterable[object]) -> list[bytes]:
     return [prefix + block_hash_bytes(h) for h in block_hashes]
 
 
-def split_key(key: bytes) -> tuple[bytes, bytes]:
-    """(prefix, block hash) of a key."""
-    return key[:PREFIX_BYTES], key[PREFIX_BYTES:]
-
-
 def check_keys(keys: Sequence[object]) -> list[bytes]:
     """Validate a key list given by a caller: non-empty bytes, no duplicates."""
     out: list[bytes] = []

@@ -92,6 +92,8 @@ def test_prefix_lengths(kvray_ns: str) -> None:
     assert store.lookup([]) == 0
     index = ray.get_actor(index_name(kvray_ns), namespace=RAY_NAMESPACE)
     assert ray.get(index.match_prefix.remote(keys)) == 5
+    me = ray.get_runtime_context().get_node_id()
+    assert ray.get(index.locate.remote(keys[4:6])) == [[me], []]
     # A second put of the same keys is counted as duplicates, not stored twice.
     again = store.put(keys[:5], _blocks(5)).result(timeout=30)
     assert again.stored == 0 and again.duplicate == 5

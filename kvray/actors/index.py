@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -173,9 +172,6 @@ class BlockIndex:
             out.append([self._by_slot[s].info.node_id for s in slots])
         return out
 
-    def nodes(self) -> list[NodeInfo]:
-        return [n.info for n in self._nodes.values() if n.healthy]
-
     def stats(self) -> dict[str, Any]:
         return {
             "epoch": self._epoch,
@@ -187,9 +183,6 @@ class BlockIndex:
             "rss_bytes": _rss(),
             "config": self._cfg.to_dict(),
         }
-
-    def config(self) -> dict[str, Any]:
-        return self._cfg.to_dict()
 
     # ------------------------------------------------------------------ updates from pools
     async def update(
@@ -356,9 +349,6 @@ class BlockIndex:
         self._task.cancel()
         self._notify()
         return [n.info.pool_name for n in self._nodes.values()]
-
-    def ping(self) -> float:
-        return time.time()
 
 
 def _rss() -> int:

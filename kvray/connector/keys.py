@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvray.config import KVRayConfig
-from kvray.keys import LayoutFingerprint, block_hash_bytes
+from kvray.keys import LayoutFingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -129,7 +129,3 @@ def _cpu_features(model_dtype: str) -> str:
     amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
     avx512 = bool(getattr(torch.cpu, "_is_avx512_supported", lambda: False)())
     return f"isa?/{model_dtype}/amx{int(amx)}/avx512{int(avx512)}"
-
-
-def make_keys(prefix: bytes, block_hashes: list[bytes]) -> list[bytes]:
-    return [prefix + block_hash_bytes(h) for h in block_hashes]

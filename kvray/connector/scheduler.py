@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvray.config import KVRayConfig
-from kvray.connector.keys import EngineKeySpace, make_keys
+from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,
@@ -33,6 +33,7 @@ from kvray.connector.metadata import (
     StoreSpec,
     TransferCounters,
 )
+from kvray.keys import make_keys
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

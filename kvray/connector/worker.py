@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvray.config import KVRayConfig
-from kvray.connector.keys import EngineKeySpace, make_keys
+from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,
@@ -39,6 +39,7 @@ from kvray.connector.metadata import (
 )
 from kvray.errors import BlockLostError
 from kvray.kernels import BlockMover, StagingPool, StagingPoolExhausted, describe_kv_caches
+from kvray.keys import make_keys
 
 logger = logging.getLogger(__name__)
 
