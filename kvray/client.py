@@ -246,6 +246,11 @@ class Store:
     def contains(self, key: bytes) -> bool:
         return key in self._view.where
 
+    def holder_nodes(self, key: bytes) -> list[str]:
+        """Node ids whose pools hold ``key`` (local view), e.g. for prefix-aware routing."""
+        nodes = self._view.nodes
+        return [nodes[s].node_id for s in self._view.holders(key) if s in nodes]
+
     # ------------------------------------------------------------------ puts
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Future[PutResult]:
         """Store blocks under keys in the background; the Future resolves when the pool owns them.

@@ -140,21 +140,15 @@ class ServeHandle:
         """Per node: how many leading blocks of ``tokens`` its pool holds for every shard."""
         info = next(iter(self.infos.values()))
         hashes = self.block_hashes(tokens, info.block_size)
-        view = self.store._view
         by_node: dict[str, int] = dict.fromkeys(self.replicas, 0)
         for node_id in by_node:
             n = 0
             for h in hashes:
-                if all(
-                    any(
-                        view.nodes.get(s) is not None and view.nodes[s].node_id == node_id
-                        for s in view.holders(prefix + h)
-                    )
-                    for prefix in info.shard_prefixes
+                if not all(
+                    node_id in self.store.holder_nodes(prefix + h) for prefix in info.shard_prefixes
                 ):
-                    n += 1
-                else:
                     break
+                n += 1
             by_node[node_id] = n
         return by_node
 
