@@ -27,6 +27,7 @@ from rich.table import Table
 
 import kvray
 from kvray.config import format_bytes
+from kvray.serve import EngineReplica
 
 NAMESPACE = "demo"
 BLOCK_SIZE = 32
@@ -62,53 +63,6 @@ def build_random_llama(path: str, *, target_mb: int = 60, seed: int = 0) -> str:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
     return path
-
-
-@ray.remote(num_cpus=1)
-class DemoEngine:
-    """One vLLM engine with kvray, in its own process (an actor), like a serving replica."""
-
-    def __init__(self, model: str, namespace: str, max_model_len: int) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        self.llm = LLM(
-            model=model,
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype="float32",
-            block_size=BLOCK_SIZE,
-            kv_cache_memory_bytes=256 << 20,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_model_len,
-            distributed_executor_backend="uni",
-            seed=0,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVRayConnector",
-                kv_connector_module_path="kvray.connector",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"namespace": namespace},
-            ),
-        )
-
-    def close(self) -> None:
-        """Shut the engine down cleanly: the connector finishes the saves still in flight."""
-        self.llm.llm_engine.engine_core.shutdown()
-
-    def run(self, prompts: list[list[int]]) -> list[tuple[float, int, list[int]]]:
-        """(TTFT seconds, tokens loaded or cached, first tokens) per prompt, one at a time."""
-        from vllm import SamplingParams, TokensPrompt
-
-        sp = SamplingParams(temperature=0.0, max_tokens=1)
-        out = []
-        for p in prompts:
-            t0 = time.perf_counter()
-            (res,) = self.llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
-            ttft = time.perf_counter() - t0
-            out.append((ttft, int(res.num_cached_tokens or 0), list(res.outputs[0].token_ids)))
-        return out
 
 
 @dataclass
@@ -211,15 +165,26 @@ def _vllm_demo(
     round1 = [p + [rng.randrange(3, VOCAB) for _ in range(16)] for p in prefixes]
     round2 = [p + [rng.randrange(3, VOCAB) for _ in range(16)] for p in prefixes]
     max_len = prompt_tokens + 64
+    engine_args = {
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "block_size": BLOCK_SIZE,
+        "kv_cache_memory_bytes": 256 << 20,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": max_len,
+        "seed": 0,
+    }
+    extra = {"namespace": NAMESPACE}
     progress.update(step, description="starting vLLM engine A (its own process)")
-    a = DemoEngine.remote(model, NAMESPACE, max_len)  # type: ignore[attr-defined]
-    r1 = _round(ray.get(a.run.remote(round1)))
+    a = EngineReplica.options(num_cpus=1).remote(model, engine_args, extra)  # type: ignore[attr-defined]
+    r1 = _round(a, round1)
     ray.get(a.close.remote(), timeout=120)
     ray.kill(a)
     progress.update(step, description="starting vLLM engine B (a fresh process)")
-    b = DemoEngine.remote(model, NAMESPACE, max_len)  # type: ignore[attr-defined]
+    b = EngineReplica.options(num_cpus=1).remote(model, engine_args, extra)  # type: ignore[attr-defined]
     progress.update(step, description="round 2 on engine B: prefixes load from kvray")
-    r2 = _round(ray.get(b.run.remote(round2)))
+    r2 = _round(b, round2)
     ray.get(b.close.remote(), timeout=120)
     ray.kill(b)
     cold = statistics.median(r1.ttfts)
@@ -241,5 +206,12 @@ def _of(part: int, whole: int) -> str:
     return f"{part:,} of {whole:,}"
 
 
-def _round(results: list[tuple[float, int, list[int]]]) -> _Round:
-    return _Round([r[0] for r in results], [r[1] for r in results], [r[2] for r in results])
+def _round(engine: Any, prompts: list[list[int]]) -> _Round:
+    """One prompt at a time with one output token: the engine's time is the TTFT."""
+    sampling = {"temperature": 0.0, "max_tokens": 1}
+    results = [ray.get(engine.generate.remote(p, sampling), timeout=600) for p in prompts]
+    return _Round(
+        [r["seconds"] for r in results],
+        [r["num_cached_tokens"] for r in results],
+        [r["token_ids"] for r in results],
+    )
