@@ -111,7 +111,9 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
     Calling it again is harmless: an existing index is reused as it is (a different capacity
     is reported, not applied: stop first to change it). Returns the index's stats.
     """
-    cfg = (config or KVRayConfig()).replace(**fields) if fields else (config or KVRayConfig())
+    cfg = config or KVRayConfig()
+    if fields:
+        cfg = cfg.replace(**fields)
     ensure_ray(cfg.address)
     index = BlockIndexActor.options(  # type: ignore[attr-defined]
         name=index_name(cfg.namespace),
