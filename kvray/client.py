@@ -15,8 +15,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from kvray.metrics import ClientMetrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Store", "connect"]
+__all__ = ["Fetched", "Store", "connect"]
 
 
 def checksum(block: np.ndarray) -> int:
@@ -58,6 +59,26 @@ def as_bytes_view(block: Any) -> np.ndarray:
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return arr.reshape(-1).view(np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """One block mapped from a pool's segment, with the checksum it was stored with."""
+
+    array: np.ndarray
+    checksum: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What :meth:`Store.fetch` read: the blocks of ``keys`` (a prefix of the request), in
+    order; ``reason`` says why the request's next key could not be read (``""``: all read)."""
+
+    keys: list[bytes]
+    arrays: list[np.ndarray]
+    reason: str
+    reads: list[_Read] = field(repr=False)
 
 
 class _View:
@@ -335,19 +356,82 @@ class Store:
         """The blocks' bytes (read-only uint8 arrays), all or :class:`BlockLostError`."""
         keys = check_keys(keys)
         t0 = time.perf_counter()
+        got, lost = self._read(keys, timeout)
+        for k in self._corrupt(got.items()):
+            lost[k] = "checksum mismatch"
+        if lost:
+            self.tally.lost += len(lost)
+            reasons = sorted(set(lost.values()))
+            raise BlockLostError([k for k in keys if k in lost], "; ".join(reasons))
+        out = [got[k].array for k in keys]
+        self.tally.bytes_loaded += sum(a.nbytes for a in out)
+        self.tally.observe("load_latencies", time.perf_counter() - t0)
+        return out
+
+    def fetch(self, keys: Sequence[bytes], timeout: float | None = None) -> Fetched:
+        """The longest readable prefix of ``keys``, *not yet verified*: call :meth:`verify`.
+
+        Splitting :meth:`get` lets a caller copy the bytes while they are checked (xxhash
+        holds the GIL, numpy copies release it): the connector scatters into vLLM's cache on
+        one thread while this one verifies, and reports blocks that fail for recompute.
+        """
+        keys = check_keys(keys)
+        t0 = time.perf_counter()
+        got, lost = self._read(keys, timeout)
+        n = next((i for i, k in enumerate(keys) if k not in got), len(keys))
+        reads = [got[k] for k in keys[:n]]
+        reason = "" if n == len(keys) else lost.get(keys[n], "not read")
+        self.tally.lost += len(lost)
+        fetched = Fetched(keys[:n], [r.array for r in reads], reason, reads)
+        self.tally.observe("load_latencies", time.perf_counter() - t0)
+        return fetched
+
+    def verify(self, fetched: Fetched, sums: Sequence[int | None] | None = None) -> int:
+        """How many leading blocks of ``fetched`` match their checksums; every mismatch is
+        reported to its pool (never served again) and counted as lost.
+
+        ``sums``: checksums (:func:`checksum`) the caller already took of the same arrays,
+        e.g. while copying them; ``None`` entries are computed here."""
+        bad = self._corrupt(zip(fetched.keys, fetched.reads, strict=True), sums)
+        n = next((i for i, k in enumerate(fetched.keys) if k in bad), len(fetched.keys))
+        self.tally.lost += len(bad)
+        self.tally.bytes_loaded += sum(a.nbytes for a in fetched.arrays[:n])
+        return n
+
+    def _corrupt(
+        self, reads: Iterable[tuple[bytes, _Read]], sums: Sequence[int | None] | None = None
+    ) -> set[bytes]:
+        """Keys whose bytes do not match their checksum (reported to their pools)."""
+        if not self.config.verify_checksums:
+            return set()
+        corrupt: dict[int, list[bytes]] = {}
+        for i, (k, r) in enumerate(reads):
+            got = sums[i] if sums is not None else None
+            if (checksum(r.array) if got is None else got) != r.checksum:
+                corrupt.setdefault(r.slot, []).append(k)
+        nodes = self._view.nodes
+        for slot, ks in corrupt.items():
+            logger.warning("kvray: %d block(s) from pool %d fail their checksum", len(ks), slot)
+            if slot in nodes:
+                with contextlib.suppress(Exception):
+                    self._pool(nodes[slot]).report_lost.remote(ks, "checksum mismatch")
+        return {k for ks in corrupt.values() for k in ks}
+
+    def _read(
+        self, keys: Sequence[bytes], timeout: float | None
+    ) -> tuple[dict[bytes, _Read], dict[bytes, str]]:
+        """Lease and map every key it can (each key tried on its holders, this node first);
+        returns what was read and key -> why for the rest. Checksums are not checked here."""
         timeout = self.config.get_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         view = self._view
-        got: dict[bytes, np.ndarray] = {}
+        got: dict[bytes, _Read] = {}
         lost: dict[bytes, str] = {}
-        # Each key is tried on its holders in order, this node first.
         plans: dict[bytes, list[int]] = {}
         for k in keys:
-            slots = sorted(
-                view.holders(k),
-                key=lambda s: view.nodes[s].node_id != self._node_id if s in view.nodes else 2,
-            )
-            slots = [s for s in slots if s in view.nodes]
+            slots = [s for s in view.holders(k) if s in view.nodes]
+            if len(slots) > 1:
+                slots.sort(key=lambda s: view.nodes[s].node_id != self._node_id)
             if slots:
                 plans[k] = slots
             else:
@@ -365,19 +449,12 @@ class Store:
                 else:
                     lost[k] = why
             plans, attempt = retry, attempt + 1
-        if lost:
-            self.tally.lost += len(lost)
-            reasons = sorted(set(lost.values()))
-            raise BlockLostError([k for k in keys if k in lost], "; ".join(reasons))
-        out = [got[k] for k in keys]
-        self.tally.bytes_loaded += sum(a.nbytes for a in out)
-        self.tally.observe("load_latencies", time.perf_counter() - t0)
-        return out
+        return got, lost
 
     def _get_from(
-        self, by_slot: dict[int, list[bytes]], got: dict[bytes, np.ndarray], deadline: float
+        self, by_slot: dict[int, list[bytes]], got: dict[bytes, _Read], deadline: float
     ) -> dict[bytes, str]:
-        """Read blocks from their pools; returns key -> why for every key not served."""
+        """Read blocks from their pools; returns key -> why for every key not read."""
         failed: dict[bytes, str] = {}
         nodes = self._view.nodes
         lease_refs = {}
@@ -392,38 +469,39 @@ class Store:
                 replies[slot] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as e:
                 failed.update(dict.fromkeys(by_slot[slot], f"pool failed ({type(e).__name__})"))
+        served: dict[int, int] = {}
         try:
             for slot, reply in replies.items():
-                failed.update(dict.fromkeys(reply.missing, "evicted or never stored"))
-                seg_refs = {sid: refs[0] for sid, refs in reply.segments.items()}
+                ks = by_slot[slot]
+                found = np.flatnonzero(reply.seg_ids).tolist()
+                if len(found) < len(ks):
+                    missing = np.flatnonzero(reply.seg_ids == 0).tolist()
+                    failed.update((ks[i], "evicted or never stored") for i in missing)
+                seg_ids = list(reply.segments)
                 try:
                     values = ray.get(
-                        list(seg_refs.values()),
+                        [reply.segments[s] for s in seg_ids],
                         timeout=max(0.0, deadline - time.monotonic()),
                     )
                 except Exception as e:
-                    failed.update(dict.fromkeys(reply.found, f"object lost ({type(e).__name__})"))
+                    failed.update((ks[i], f"object lost ({type(e).__name__})") for i in found)
                     continue
-                segs = dict(zip(seg_refs, values, strict=True))
-                corrupt: list[bytes] = []
-                for k, loc in reply.found.items():
-                    arr = segs[loc.seg_id][loc.pos]
-                    if arr.nbytes != loc.nbytes or (
-                        self.config.verify_checksums and checksum(arr) != loc.checksum
-                    ):
-                        corrupt.append(k)
-                        failed[k] = "checksum mismatch"
-                    else:
-                        got[k] = arr
-                if corrupt:
-                    self._pool(nodes[slot]).report_lost.remote(corrupt, "checksum mismatch")
+                segs = dict(zip(seg_ids, values, strict=True))
+                seg_of, pos = reply.seg_ids.tolist(), reply.positions.tolist()
+                sizes, sums = reply.nbytes.tolist(), reply.checksums.tolist()
+                nbytes = 0
+                for i in found:
+                    arr = segs[seg_of[i]][pos[i]]
+                    if arr.nbytes != sizes[i]:
+                        failed[ks[i]] = "size mismatch"
+                        continue
+                    got[ks[i]] = _Read(arr, sums[i], slot)
+                    nbytes += arr.nbytes
+                served[slot] = nbytes
         finally:
+            # Mapped segments stay pinned while their arrays live: the lease can go now.
             releases = [
-                (
-                    self._pool(nodes[slot]),
-                    reply.lease_id,
-                    sum(loc.nbytes for k, loc in reply.found.items() if k in got),
-                )
+                (self._pool(nodes[slot]), reply.lease_id, served.get(slot, 0))
                 for slot, reply in replies.items()
             ]
             if releases:

@@ -7,6 +7,7 @@ vLLM's default multiprocess mode, Ray actors pinned to simulated nodes) share th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from vllm_helpers import (
 )
 
 import kvray
-from kvray.errors import BlockLostError
+from kvray.client import Fetched, checksum
 
 pytestmark = [pytest.mark.vllm]
 
@@ -135,31 +136,39 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
     assert token_ids(generate(llm, prompts)) == reference["used"]
     _settle(llm)
     worker = worker_connector_of(llm).worker
-    real_get = worker.store.get
+    store = worker.store
+    real_fetch = store.fetch
     rng = np.random.default_rng(0)
 
-    def tampered_get(keys: list[bytes], timeout: float | None = None) -> list[Any]:
-        blocks = real_get(keys, timeout=timeout)
-        # Different bytes under the same keys: random float32 KV in every loaded block.
-        return [
-            rng.standard_normal(b.nbytes // 4).astype(np.float32).view(np.uint8) for b in blocks
+    def different_bytes(keys: list[bytes], *, keep_checksums: bool) -> Fetched:
+        """Random float32 KV in every loaded block, with checksums that match it (changed
+        stored bytes) or the stored ones (corruption the checksum must catch)."""
+        real = real_fetch(keys)
+        arrays = [
+            rng.standard_normal(a.nbytes // 4).astype(np.float32).view(np.uint8)
+            for a in real.arrays
         ]
+        reads = [
+            dataclasses.replace(r, array=a, checksum=r.checksum if keep_checksums else checksum(a))
+            for r, a in zip(real.reads, arrays, strict=True)
+        ]
+        return Fetched(real.keys, arrays, real.reason, reads)
 
-    def lossy_get(keys: list[bytes], timeout: float | None = None) -> list[Any]:
-        if len(keys) > 2:
-            raise BlockLostError(keys[2:], "checksum mismatch")
-        return real_get(keys, timeout=timeout)
+    def lossy_fetch(keys: list[bytes], timeout: float | None = None) -> Fetched:
+        real = real_fetch(keys)
+        return Fetched(real.keys[:2], real.arrays[:2], "evicted", real.reads[:2])
 
+    full = _full_hit(prompts[0])
     try:
-        worker.store.get = tampered_get
+        store.fetch = lambda keys, timeout=None: different_bytes(keys, keep_checksums=False)
         assert llm.reset_prefix_cache()
         loads_before = _loaded_blocks(llm)
         changed = generate(llm, prompts)
-        assert cached_tokens(changed)[0] == _full_hit(prompts[0])
-        assert _loaded_blocks(llm) - loads_before == _full_hit(prompts[0]) // BLOCK_SIZE
+        assert cached_tokens(changed)[0] == full
+        assert _loaded_blocks(llm) - loads_before == full // BLOCK_SIZE
         assert token_ids(changed) != reference["used"], "loaded KV did not affect the output"
 
-        worker.store.get = lossy_get
+        store.fetch = lossy_fetch
         failed_before = _failed_blocks(llm)
         llm.reset_prefix_cache()
         recomputed = generate(llm, prompts)
@@ -167,8 +176,19 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
         # num_cached_tokens at the planned hit, so the failure shows in kvray's counters.)
         assert token_ids(recomputed) == reference["used"]
         assert _failed_blocks(llm) > failed_before
+
+        # Last (the pool drops what fails verification): random bytes under the stored
+        # checksums. Every block fails verification after it was scattered, is reported to
+        # vLLM and recomputed: identical tokens.
+        store.fetch = lambda keys, timeout=None: different_bytes(keys, keep_checksums=True)
+        failed_before, loads_before = _failed_blocks(llm), _loaded_blocks(llm)
+        llm.reset_prefix_cache()
+        assert token_ids(generate(llm, prompts)) == reference["used"]
+        # (Blocks that failed above are skipped for a while, so fewer are tried here.)
+        assert _failed_blocks(llm) > failed_before
+        assert _loaded_blocks(llm) == loads_before, "a block that failed its checksum counted"
     finally:
-        worker.store.get = real_get
+        store.fetch = real_fetch
 
 
 @pytest.mark.slow

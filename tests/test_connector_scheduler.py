@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 import torch
 from vllm_helpers import BLOCK_SIZE, build_tiny_llama
 
-from kvray.errors import BlockLostError
+from kvray.client import Fetched
 
 pytestmark = [pytest.mark.vllm]
 
@@ -326,13 +326,13 @@ def test_abort_during_async_load(harness_factory: Any) -> None:
     h.settle()
     gate = threading.Event()
     store = h.worker.worker.store
-    real_get = store.get
+    real_fetch = store.fetch
 
-    def slow_get(keys: list[bytes], timeout: float | None = None) -> list[Any]:
+    def slow_fetch(keys: list[bytes], timeout: float | None = None) -> Any:
         gate.wait(30)
-        return real_get(keys, timeout=timeout)
+        return real_fetch(keys, timeout=timeout)
 
-    store.get = slow_get
+    store.fetch = slow_fetch
     try:
         from vllm.v1.request import RequestStatus
 
@@ -346,7 +346,7 @@ def test_abort_during_async_load(harness_factory: Any) -> None:
         gate.set()
         h.run()
     finally:
-        store.get = real_get
+        store.fetch = real_fetch
         gate.set()
     assert_scheduler_empty(h)
 
@@ -358,19 +358,18 @@ def test_load_failure_recomputes(harness_factory: Any, load_mode: str) -> None:
     h.add(p)
     h.settle()
     store = h.worker.worker.store
-    real_get = store.get
+    real_fetch = store.fetch
 
-    def lossy_get(keys: list[bytes], timeout: float | None = None) -> list[Any]:
-        if len(keys) > 1:
-            raise BlockLostError(keys[1:], "checksum mismatch")
-        return real_get(keys, timeout=timeout)
+    def lossy_fetch(keys: list[bytes], timeout: float | None = None) -> Fetched:
+        real = real_fetch(keys, timeout=timeout)
+        return Fetched(real.keys[:1], real.arrays[:1], "evicted", real.reads[:1])
 
-    store.get = lossy_get
+    store.fetch = lossy_fetch
     try:
         req = h.add(p, max_tokens=2)
         h.run()
     finally:
-        store.get = real_get
+        store.fetch = real_fetch
     assert req.is_finished()
     assert h.sconn.counters.failed_blocks == 3
     # async: vLLM frees the request's blocks and looks up again: block 0 may load twice.

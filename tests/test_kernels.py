@@ -373,6 +373,35 @@ def test_threads_cut_blocks_into_pieces(
     _roundtrip(make_caches("nhd", torch.float32, alloc, factor=1), "scattered", "threads")
 
 
+@pytest.mark.parametrize("piece_bytes", [1, 700, 1 << 20])
+@pytest.mark.parametrize("strategy", ["loop", "index", "threads"])
+def test_scatter_reports_every_row_once(
+    monkeypatch: pytest.MonkeyPatch, piece_bytes: int, strategy: str
+) -> None:
+    """``on_rows`` (the connector checksums rows there) sees each source row exactly once,
+    whichever thread copied it, and the scatter still writes the right bytes."""
+    monkeypatch.setattr(torch_ops, "_PIECE_BYTES", piece_bytes)
+    c = make_caches("kv_first_hnd", torch.float16, "separate", factor=2)
+    lay = c.describe()
+    mover = BlockMover(c.layers, lay, torch_strategy=strategy)
+    mover._torch._threads = 3
+    src_ids, dst_ids = ID_SETS["scattered"]
+    buf = torch.empty(len(src_ids), lay.block_nbytes, dtype=torch.uint8)
+    mover.gather(src_ids, buf)
+    expected = expected_after_scatter(c, src_ids, dst_ids)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def on_rows(pos: int, length: int) -> None:
+        with lock:
+            seen.extend(range(pos, pos + length))
+
+    mover.scatter(dst_ids, buf, on_rows=on_rows)
+    assert sorted(seen) == list(range(len(dst_ids)))
+    for raw, exp in zip(c.raws, expected, strict=True):
+        assert torch.equal(raw, exp)
+
+
 def test_threads_with_fewer_layers_than_threads() -> None:
     t = torch.empty(NB, H, N, 2 * D, dtype=torch.bfloat16)
     t.view(torch.int16).random_()

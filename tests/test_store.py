@@ -7,6 +7,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import psutil
@@ -141,7 +142,7 @@ def test_leased_blocks_are_not_evicted_and_unfit_puts_are_refused(kvray_ns: str)
     keys = _keys(4)
     store.put(keys, _blocks(4)).result(timeout=30)
     lease = ray.get(pool.lease.remote(keys))
-    assert len(lease.found) == 4
+    assert lease.num_found == 4 and len(lease.segments) == 1
     # Fill the pool several times over while the lease is held.
     for i in range(6):
         store.put(_keys(64, tag=f"fill{i}"), _blocks(64, seed=i)).result(timeout=60)
@@ -183,6 +184,19 @@ def test_pool_serves_blocks_after_writer_exits(kvray_ns: str) -> None:
     store.close()
 
 
+def _corrupt_in_plasma(pool: Any, key: bytes) -> None:
+    """Flip bytes of a stored block in the object store's shared memory, as a bad DIMM or a
+    stray write would."""
+    lease = ray.get(pool.lease.remote([key]))
+    loc = lease.loc(0)
+    assert loc is not None
+    segment = ray.get(lease.segments[loc.seg_id])
+    target = segment[loc.pos]
+    ctypes.memset(target.ctypes.data + 1000, 0, 16)
+    del segment, target
+    ray.get(pool.release.remote(lease.lease_id))
+
+
 def test_corrupted_bytes_are_detected_and_never_served(kvray_ns: str) -> None:
     store = kvray.connect(kvray_ns)
     keys = _keys(3)
@@ -190,20 +204,38 @@ def test_corrupted_bytes_are_detected_and_never_served(kvray_ns: str) -> None:
     store.sync()
     me = ray.get_runtime_context().get_node_id()
     pool = ray.get_actor(pool_name(kvray_ns, me), namespace=RAY_NAMESPACE)
-    lease = ray.get(pool.lease.remote([keys[1]]))
-    loc = lease.found[keys[1]]
-    segment = ray.get(lease.segments[loc.seg_id][0])
-    target = segment[loc.pos]
-    # Flip bytes in the object store's shared memory, as a bad DIMM or a stray write would.
-    ctypes.memset(target.ctypes.data + 1000, 0, 16)
-    del segment, target
-    ray.get(pool.release.remote(lease.lease_id))
+    _corrupt_in_plasma(pool, keys[1])
     with pytest.raises(kvray.BlockLostError) as info:
         store.get(keys)
     assert info.value.keys == [keys[1]]
     assert "checksum" in info.value.reason
     _wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
     assert [b.tobytes() for b in store.get(keys[:1])] == [_blocks(3)[0].tobytes()]
+    assert ray.get(pool.stats.remote())["lost"] == 1
+    store.close()
+
+
+def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(kvray_ns: str) -> None:
+    store = kvray.connect(kvray_ns)
+    keys = _keys(5, tag="fetch")
+    blocks = _blocks(5, seed=7)
+    store.put(keys[:4], blocks[:4]).result(timeout=30)
+    store.sync()
+    me = ray.get_runtime_context().get_node_id()
+    pool = ray.get_actor(pool_name(kvray_ns, me), namespace=RAY_NAMESPACE)
+    # keys[4] was never stored: the prefix stops there, with the reason.
+    fetched = store.fetch(keys)
+    assert fetched.keys == keys[:4] and "not in the index" in fetched.reason
+    assert [a.tobytes() for a in fetched.arrays] == [b.tobytes() for b in blocks[:4]]
+    assert store.verify(fetched) == 4
+    # A corrupt block is only found by verify: the bytes come back, verify stops before it.
+    _corrupt_in_plasma(pool, keys[2])
+    fetched = store.fetch(keys[:4])
+    assert len(fetched.arrays) == 4 and fetched.reason == ""
+    assert store.verify(fetched) == 2
+    _wait_for(lambda: store.lookup(keys) == 2, 10, "the corrupt block to leave the index")
+    fetched = store.fetch(keys[:4])
+    assert fetched.keys == keys[:2] and fetched.reason
     assert ray.get(pool.stats.remote())["lost"] == 1
     store.close()
 

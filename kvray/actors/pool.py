@@ -236,28 +236,31 @@ class BlockPool:
         """Locate blocks and protect their segments from eviction until released."""
         with self._lock:
             self._expire_leases()
-            reply = LeaseReply(lease_id=next(self._lease_ids))
-            seg_ids: list[int] = []
-            for k in keys:
+            reply = LeaseReply.empty(next(self._lease_ids), len(keys))
+            found = 0
+            for i, k in enumerate(keys):
                 loc = self._blocks.get(k)
                 if loc is None:
-                    reply.missing.append(k)
                     continue
-                reply.found[k] = loc
+                found += 1
+                reply.seg_ids[i] = loc.seg_id
+                reply.positions[i] = loc.pos
+                reply.nbytes[i] = loc.nbytes
+                reply.checksums[i] = loc.checksum
                 if loc.seg_id not in reply.segments:
                     seg = self._segments[loc.seg_id]
                     seg.leases += 1
                     self._segments.move_to_end(loc.seg_id)
-                    reply.segments[loc.seg_id] = [seg.ref]
-                    seg_ids.append(loc.seg_id)
-            self._counters.hits += len(reply.found)
-            self._counters.misses += len(reply.missing)
-            if seg_ids:
+                    reply.segments[loc.seg_id] = seg.ref
+            missing = len(keys) - found
+            self._counters.hits += found
+            self._counters.misses += missing
+            if reply.segments:
                 self._leases[reply.lease_id] = _Lease(
-                    seg_ids, time.monotonic() + self._lease_timeout_s
+                    list(reply.segments), time.monotonic() + self._lease_timeout_s
                 )
                 self._counters.leases += 1
-        self._metrics.looked_up(len(reply.found), len(reply.missing))
+        self._metrics.looked_up(found, missing)
         return reply
 
     def release(self, lease_id: int, served_bytes: int = 0) -> None:

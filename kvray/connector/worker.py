@@ -9,8 +9,10 @@ memory of puts in flight; beyond it a save is dropped and counted, never queued.
 
 Loads: ``sync`` loads complete inside ``start_load_kv`` (vLLM calls it before the forward when
 the step has one); ``async`` loads run on a thread and report through ``finished_recving``.
-Missing, lost or corrupt blocks never reach the paged cache: their block ids (from the first bad
-one on) go to ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+Blocks are scattered while their checksums are verified (see ``_scatter_verified``). The block
+ids of missing, lost or corrupt blocks (from the first bad one on) go to
+``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them: a corrupt block may
+have been written, but vLLM drops that step's output for the request and overwrites the block.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import logging
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvray.client import Fetched, checksum
 from kvray.config import KVRayConfig
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import (
@@ -37,7 +41,6 @@ from kvray.connector.metadata import (
     StoreSpec,
     TransferCounters,
 )
-from kvray.errors import BlockLostError
 from kvray.kernels import BlockMover, StagingPool, StagingPoolExhausted, describe_kv_caches
 from kvray.keys import make_keys
 
@@ -160,28 +163,20 @@ class KVRayConnectorWorker:
             self._async_inflight -= 1
             self._load_cv.notify_all()
 
-    def _fetch(self, keys: list[bytes]) -> tuple[list[np.ndarray], str]:
-        """The longest readable prefix of ``keys`` (and why it stops short, if it does)."""
-        try:
-            return self.store.get(keys, timeout=self.config.get_timeout_s), ""
-        except BlockLostError as e:
-            missing = set(e.keys)
-            first = next(i for i, k in enumerate(keys) if k in missing)
-            why = e.reason
-        except Exception as e:  # pool or cluster unavailable: recompute everything
-            return [], f"{type(e).__name__}: {e}"
-        if first == 0:
-            return [], why
-        got, _ = self._fetch(keys[:first])
-        return got, why
-
     def _load(self, job_id: JobId, spec: LoadSpec) -> bool:
         t0 = time.perf_counter()
         keys = make_keys(self.prefix, spec.block_hashes)
-        arrays, why = self._fetch(keys)
-        n = len(arrays)
-        if n:
-            self._scatter(spec.block_ids[:n], arrays)
+        try:
+            fetched = self.store.fetch(keys, timeout=self.config.get_timeout_s)
+        except Exception as e:  # pool or cluster unavailable: recompute everything
+            fetched, why = None, f"{type(e).__name__}: {e}"
+        n = 0
+        if fetched is not None:
+            why = fetched.reason
+            if fetched.arrays:
+                n = self._scatter_verified(spec.block_ids[: len(fetched.arrays)], fetched)
+                if n < len(fetched.arrays):
+                    why = "checksum mismatch"
         bad = spec.block_ids[n:]
         if bad:
             logger.warning(
@@ -204,12 +199,39 @@ class KVRayConnectorWorker:
             self._meta.mark(job_id, ok=not bad)
         return not bad
 
-    def _scatter(self, block_ids: list[int], arrays: list[np.ndarray]) -> None:
+    def _scatter_verified(self, block_ids: list[int], fetched: Fetched) -> int:
+        """Scatter ``fetched`` into ``block_ids`` and verify its checksums; returns how many
+        leading blocks verified.
+
+        Each block is hashed by the copy thread right after copying it, while its bytes are
+        still in the CPU cache: verifying then costs a fraction of reading 64 MiB again (a load
+        is memory-bound). A block that fails verification has been written all the same; it
+        and every block after it are reported to vLLM, which recomputes (overwrites) them
+        before anything reads them.
+        """
+        arrays = fetched.arrays
+        sums: list[int | None] = [None] * len(arrays)
+        on_block: Callable[[int], None] | None = None
+        if self.config.verify_checksums:
+
+            def on_block(i: int) -> None:
+                sums[i] = checksum(arrays[i])
+
+        self._scatter(block_ids, arrays, on_block)
+        return self.store.verify(fetched, sums)
+
+    def _scatter(
+        self,
+        block_ids: list[int],
+        arrays: list[np.ndarray],
+        on_block: Callable[[int], None] | None = None,
+    ) -> None:
         """Copy fetched blocks into the paged cache, straight from Ray's buffers when it can.
 
         Blocks of one segment usually lie back to back in the object store: each such run is
         viewed as one ``[k, block_nbytes]`` array and scattered without an intermediate copy.
-        Anything else goes through staging rows.
+        Anything else goes through staging rows. ``on_block(i)`` is called once ``arrays[i]``
+        has been copied (possibly from a copy thread).
         """
         nb = self.block_nbytes
         i = 0
@@ -227,7 +249,14 @@ class KVRayConnectorWorker:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # read-only: we only read it
                     src = torch.from_numpy(run)
-                self.mover.scatter(block_ids[i:j], src)
+                hook = None
+                if on_block is not None:
+
+                    def hook(pos: int, length: int, first: int = i) -> None:
+                        for k in range(first + pos, first + pos + length):
+                            on_block(k)
+
+                self.mover.scatter(block_ids[i:j], src, on_rows=hook)
             else:
                 lease = self._lease(j - i)
                 buf = (
@@ -239,6 +268,8 @@ class KVRayConnectorWorker:
                     view = buf.numpy()
                     for k in range(i, j):
                         view[k - i] = arrays[k]
+                        if on_block is not None:
+                            on_block(k)
                     self.mover.scatter(block_ids[i:j], buf)
                 finally:
                     if lease is not None:

@@ -23,7 +23,7 @@ import torch
 
 from kvray.kernels.handles import CompletedHandle, CudaEventHandle, TransferHandle
 from kvray.kernels.layout import CopyPlan, KVCacheLayout, build_copy_plan
-from kvray.kernels.torch_ops import TorchMover
+from kvray.kernels.torch_ops import RowsHook, TorchMover
 
 logger = logging.getLogger(__name__)
 
@@ -141,16 +141,26 @@ class BlockMover:
         dst = self._check_buffer(out, len(ids), "out")
         self._torch.gather(ids, dst)
 
-    def scatter(self, block_ids: BlockIds, src: torch.Tensor) -> None:
+    def scatter(
+        self, block_ids: BlockIds, src: torch.Tensor, on_rows: RowsHook | None = None
+    ) -> None:
         """Copy ``src[i]`` into KV block ``block_ids[i]`` (all layers); returns when done.
 
-        On CUDA the compute stream is also ordered after the scatter."""
+        On CUDA the compute stream is also ordered after the scatter. ``on_rows(pos, length)``
+        is called for every row of ``src`` once it is no longer needed in the CPU's cache for
+        the copy: on the CPU by the copy thread right after copying those rows (a checksum of
+        them then reads cached bytes), on CUDA for all rows while the device copies."""
         if self.device.type == "cuda":
-            self.scatter_async(block_ids, src).wait()
+            handle = self.scatter_async(block_ids, src)
+            try:
+                if on_rows is not None:
+                    on_rows(0, len(block_ids))
+            finally:
+                handle.wait()
             return
         ids = as_block_ids(block_ids, self.layout.num_blocks, unique=True)
         srcv = self._check_buffer(src, len(ids), "src")
-        self._torch.scatter(ids, srcv)
+        self._torch.scatter(ids, srcv, on_rows=on_rows)
 
     # -- asynchronous ----------------------------------------------------------------------
     def gather_async(self, block_ids: BlockIds, out: torch.Tensor) -> TransferHandle:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -38,9 +39,12 @@ from kvray.kernels.layout import CopyPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchMover", "block_runs"]
+__all__ = ["RowsHook", "TorchMover", "block_runs"]
 
 _STRATEGIES = ("auto", "loop", "index", "threads")
+
+#: ``on_rows(pos, length)``: buffer rows ``pos:pos+length`` were just copied.
+RowsHook = Callable[[int, int], None]
 
 #: CPU copies of at least this many bytes go to the copy threads.
 _MIN_THREADED_BYTES = 1 << 20
@@ -161,7 +165,13 @@ class TorchMover:
         return idx
 
     def _threaded(
-        self, runs: list[tuple[int, int, int]], buf: torch.Tensor, n: int, *, to_buffer: bool
+        self,
+        runs: list[tuple[int, int, int]],
+        buf: torch.Tensor,
+        n: int,
+        *,
+        to_buffer: bool,
+        on_rows: RowsHook | None = None,
     ) -> None:
         """Copy with numpy in up to ``self._threads`` threads (the caller's thread is one).
 
@@ -170,6 +180,11 @@ class TorchMover:
         holds a core, the threads that run take over its pieces instead of waiting for it (the
         static split of an OpenMP loop is what makes torch's copies collapse then). Returns
         only when every thread is done, exception or not.
+
+        ``on_rows(pos, length)`` is called by the thread that copied buffer rows
+        ``pos:pos+length`` (their first layers), right after the copy: a caller that must also
+        read those rows (checksums) finds them in the CPU cache instead of reading them from
+        memory a second time.
         """
         buf_np = buf.view(n, *self._block_shape).numpy()
         combined, layers = self._combined_np, self._layers_np
@@ -200,6 +215,8 @@ class TorchMover:
                     assert layers is not None
                     for layer in range(lo, hi):
                         copy(b[:, layer], layers[layer][first : first + length])
+                if on_rows is not None and lo == 0:
+                    on_rows(pos, length)
 
         helpers = min(threads, len(pieces)) - 1
         futures: list[Future[None]] = []
@@ -246,17 +263,36 @@ class TorchMover:
                 torch.index_select(view, 0, idx, out=dst_l)
 
     def scatter(
-        self, block_ids: np.ndarray, src: torch.Tensor, device_ids: torch.Tensor | None = None
+        self,
+        block_ids: np.ndarray,
+        src: torch.Tensor,
+        device_ids: torch.Tensor | None = None,
+        on_rows: RowsHook | None = None,
     ) -> None:
-        """Block ``block_ids[i]`` (all layers) ``= src[i]``; ids must be distinct."""
+        """Block ``block_ids[i]`` (all layers) ``= src[i]``; ids must be distinct.
+
+        ``on_rows(pos, length)``: see :meth:`_threaded`; without the copy threads it is called
+        once for all rows, after the copy."""
         n = len(block_ids)
         if n == 0:
             return
         srcv = self._buffer_view(src, n)
         runs = block_runs(block_ids)
         if self._use_threads(n):
-            self._threaded(runs, src, n, to_buffer=False)
+            self._threaded(runs, src, n, to_buffer=False, on_rows=on_rows)
             return
+        self._scatter_ops(block_ids, srcv, runs, device_ids)
+        if on_rows is not None:
+            on_rows(0, n)
+
+    def _scatter_ops(
+        self,
+        block_ids: np.ndarray,
+        srcv: torch.Tensor,
+        runs: list[tuple[int, int, int]],
+        device_ids: torch.Tensor | None,
+    ) -> None:
+        n = len(block_ids)
         loop = self._use_loop(runs, n, gather=False)
         if self._combined is not None:
             if loop:
