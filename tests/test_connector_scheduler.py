@@ -255,9 +255,14 @@ def test_load_lifecycle(harness_factory: Any, load_mode: str) -> None:
     h.add(p)
     h.settle()
     assert h.sconn.counters.stored_blocks == 3
+    # Scheduler and worker in one process share a store; the scheduler prefetches its hits.
+    store = h.worker.worker.store
+    assert h.sconn.store is store and store.prefetch_consumers >= 1
+    prefetches = store.tally.prefetches
 
     req = h.add(p)
     so = h.step()
+    assert store.tally.prefetches == prefetches + 1
     meta = so.kv_connector_metadata
     (load,) = meta.loads.values()
     assert load.is_async == (load_mode == "async")
@@ -269,6 +274,7 @@ def test_load_lifecycle(harness_factory: Any, load_mode: str) -> None:
         while not h.step().num_scheduled_tokens:
             assert time.monotonic() < deadline, "the async load never finished"
             time.sleep(0.01)
+    assert not store._prefetched, "the worker's load took the prefetched blocks"
     for i, b in enumerate(load.block_ids):
         assert h.block_matches(b, p[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], i * BLOCK_SIZE)
     assert h.sconn.hit_tokens == 3 * BLOCK_SIZE and req.num_computed_tokens >= 3 * BLOCK_SIZE

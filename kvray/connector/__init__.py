@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvray.config import KVRayConfig
-from kvray.connector.cluster import open_store
+from kvray.connector.cluster import close_store, open_store
 from kvray.connector.keys import EngineKeySpace, build_key_space
 from kvray.connector.metadata import KVRayConnectorMetadata, KVRayWorkerMetadata
 from kvray.connector.scheduler import KVRayConnectorScheduler
@@ -195,7 +195,7 @@ class KVRayConnector(KVConnectorBase_V1):
         if self.connector_scheduler is not None:
             self.connector_scheduler.shutdown()
         try:
-            self.store.close()
+            close_store(self.store)
         except Exception:  # shutting down anyway; the store may already be gone with Ray
             logger.debug("kvray: closing the store failed", exc_info=True)
 

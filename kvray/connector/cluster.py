@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from typing import Any
 
 from kvray.config import KVRayConfig
 from kvray.errors import NotStartedError, StoreUnavailableError
@@ -41,8 +43,40 @@ def join_cluster(config: KVRayConfig) -> None:
     ensure_ray(address)  # probes HOST:PORT first: an unreachable cluster fails in seconds
 
 
-def open_store(config: KVRayConfig, *, retries: int = 3) -> object:
-    """Join the cluster, start kvray in the namespace if needed, and connect to it."""
+#: One store client per configuration and process, shared by the connector halves living in
+#: it (vLLM's EngineCore hosts the scheduler and, at TP=1, the worker): one feed thread and
+#: one view instead of two, and the scheduler can prefetch for its worker. Reference-counted.
+_shared: dict[KVRayConfig, tuple[Any, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def open_store(config: KVRayConfig, *, retries: int = 3) -> Any:
+    """The process's store client for ``config`` (joining the cluster and starting kvray in
+    the namespace if needed); give it back with :func:`close_store`."""
+    with _shared_lock:
+        entry = _shared.get(config)
+        if entry is not None and not entry[0].closed:
+            _shared[config] = (entry[0], entry[1] + 1)
+            return entry[0]
+        store = _connect(config, retries)
+        _shared[config] = (store, 1)
+        return store
+
+
+def close_store(store: Any) -> None:
+    """Drop one reference to a store from :func:`open_store`; the last one closes it."""
+    with _shared_lock:
+        for config, (shared, refs) in list(_shared.items()):
+            if shared is store:
+                if refs > 1:
+                    _shared[config] = (shared, refs - 1)
+                    return
+                del _shared[config]
+                break
+    store.close()
+
+
+def _connect(config: KVRayConfig, retries: int) -> Any:
     import kvray
 
     join_cluster(config)

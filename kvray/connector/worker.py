@@ -108,6 +108,8 @@ class KVRayConnectorWorker:
             )
         self.block_nbytes = int(layout.block_nbytes)
         self.mover = BlockMover(kv_caches, layout)
+        if hasattr(self.store, "prefetch_consumers"):
+            self.store.prefetch_consumers += 1  # a scheduler in this process may prefetch
         max_blocks = max(1, self.config.staging_bytes // self.block_nbytes)
         self.staging = StagingPool(self.block_nbytes, max_blocks, "cpu")
         logger.info(
