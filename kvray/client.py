@@ -35,11 +35,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Fetched", "Store", "connect"]
 
-#: Seconds a :meth:`Store.prefetch` result waits for its :meth:`Store.fetch`.
-PREFETCH_TTL_S = 5.0
-#: Prefetches that may wait at a time (each pins the segments it read).
-MAX_PREFETCHES = 16
-
 
 def checksum(block: np.ndarray) -> int:
     """xxh3-64 of a block's bytes: ~25 GB/s, cheap next to moving the bytes."""
@@ -146,7 +141,6 @@ class _Tally:
         self.bytes_stored = 0
         self.lost = 0
         self.tokens_loaded = 0
-        self.prefetches = 0
         self.load_latencies: list[float] = []
         self.store_latencies: list[float] = []
 
@@ -198,11 +192,6 @@ class Store:
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self._puts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvray-put")
-        self._prefetch_lock = threading.Lock()
-        self._prefetched: dict[tuple[bytes, ...], tuple[float, Future[Any]]] = {}
-        self._prefetcher: ThreadPoolExecutor | None = None
-        #: Connector workers in this process that fetch what :meth:`prefetch` starts.
-        self.prefetch_consumers = 0
         self._refused_client = 0
         self._feed_error: str | None = None
         self.tally = _Tally(config.namespace)
@@ -384,11 +373,11 @@ class Store:
 
         Splitting :meth:`get` lets a caller checksum the bytes while it copies them (the
         connector hashes each block in its copy thread right after copying it, while the bytes
-        are still in the CPU cache). A :meth:`prefetch` of exactly these keys is picked up.
+        are still in the CPU cache) and report the blocks that fail for recompute.
         """
         keys = check_keys(keys)
         t0 = time.perf_counter()
-        got, lost = self._take_prefetched(keys) or self._read(keys, timeout)
+        got, lost = self._read(keys, timeout)
         n = next((i for i, k in enumerate(keys) if k not in got), len(keys))
         reads = [got[k] for k in keys[:n]]
         reason = "" if n == len(keys) else lost.get(keys[n], "not read")
@@ -396,49 +385,6 @@ class Store:
         fetched = Fetched(keys[:n], [r.array for r in reads], reason, reads)
         self.tally.observe("load_latencies", time.perf_counter() - t0)
         return fetched
-
-    def prefetch(self, keys: Sequence[bytes]) -> bool:
-        """Start reading ``keys`` in the background; a :meth:`fetch` of exactly these keys from
-        any thread of this process then takes the result instead of asking the pools again.
-
-        The connector's scheduler calls this when it finds a hit, a few milliseconds before
-        its worker (same process, TP=1) loads it: the lease round trip to the pool, about 2 ms
-        on a busy node, then overlaps the rest of the engine step. Reads nobody fetched are
-        dropped after ``PREFETCH_TTL_S`` (they pin their segments until then); at most
-        ``MAX_PREFETCHES`` wait at a time. False when not started (already pending, or full).
-        """
-        keys = check_keys(keys)
-        if not keys:
-            return False
-        with self._prefetch_lock:
-            now = time.monotonic()
-            for k, (started, _) in list(self._prefetched.items()):
-                if now - started > PREFETCH_TTL_S:
-                    del self._prefetched[k]
-            key = tuple(keys)
-            if key in self._prefetched or len(self._prefetched) >= MAX_PREFETCHES:
-                return False
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvray-prefetch")
-            fut = self._prefetcher.submit(self._read, keys, None)
-            self._prefetched[key] = (now, fut)
-        self.tally.prefetches += 1
-        return True
-
-    def _take_prefetched(
-        self, keys: list[bytes]
-    ) -> tuple[dict[bytes, _Read], dict[bytes, str]] | None:
-        if not self._prefetched:
-            return None
-        with self._prefetch_lock:
-            entry = self._prefetched.pop(tuple(keys), None)
-        if entry is None:
-            return None
-        try:
-            return entry[1].result(timeout=self.config.get_timeout_s)
-        except Exception as e:  # read again in this thread, with its own error handling
-            logger.debug("kvray: a prefetch failed (%s); reading again", e)
-            return None
 
     def verify(self, fetched: Fetched, sums: Sequence[int | None] | None = None) -> int:
         """How many leading blocks of ``fetched`` match their checksums; every mismatch is
@@ -602,7 +548,6 @@ class Store:
             "client": {
                 "view_keys": len(self._view.where),
                 "refused_inflight": self._refused_client,
-                "prefetches": self.tally.prefetches,
             },
         }
 
@@ -614,9 +559,6 @@ class Store:
     def close(self) -> None:
         """Stop the feed thread and wait for puts in flight (so a process can exit cleanly)."""
         self._closed.set()
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
-        self._prefetched.clear()
         self._puts.shutdown(wait=True)
         if self._feed.is_alive() and self._feed is not threading.current_thread():
             # The long poll returns within about a second; Ray must not shut down under it.

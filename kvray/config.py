@@ -92,7 +92,7 @@ def format_bytes(n: float) -> str:
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _EVICTION_POLICIES = ("lru",)
-_LOAD_MODES = ("sync", "async")
+_LOAD_MODES = ("sync", "layerwise", "async")
 _SIZE_FIELDS = ("capacity", "segment_bytes", "max_inflight_put_bytes", "staging_bytes")
 
 
@@ -128,8 +128,10 @@ class KVRayConfig:
     lease_timeout_s: float = 60.0
     #: How often the index checks that every pool is alive and that every alive node has one.
     health_check_interval_s: float = 1.0
-    #: Connector: ``sync`` loads hits inside ``start_load_kv``; ``async`` loads them in the
-    #: background and reports them through ``finished_recving``.
+    #: Connector: ``sync`` loads hits inside ``start_load_kv``; ``layerwise`` (CPU caches)
+    #: starts them there and copies one layer at a time while the forward pass runs, which
+    #: waits per layer in ``wait_for_layer_load``; ``async`` loads them in the background and
+    #: reports them through ``finished_recving`` (the request waits a step).
     load_mode: str = "sync"
     #: Connector: bytes of reusable staging buffers per worker for saves and loads.
     staging_bytes: int = 256 << 20

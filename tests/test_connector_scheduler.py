@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +70,9 @@ class Harness:
         self.scheduler.add_request(req)
         return req
 
-    def step(self) -> Any:
-        """One engine step: schedule, run the connector's worker hooks around a fake forward."""
+    def step(self, after_start: Callable[[Any], None] | None = None) -> Any:
+        """One engine step: schedule, run the connector's worker hooks around a fake forward
+        (``after_start(scheduler_output)`` runs between ``start_load_kv`` and the forward)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.scheduler.schedule()
@@ -80,6 +81,8 @@ class Harness:
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
+        if after_start is not None:
+            after_start(so)
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for req_id in req_ids:
@@ -110,9 +113,10 @@ class Harness:
     def _forward(self, req: Any, start: int, end: int) -> None:
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
         toks = req.all_token_ids
-        for pos in range(start, end):
-            b, slot = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-            for t in self.kv.values():
+        for name, t in self.kv.items():
+            self.worker.wait_for_layer_load(name)  # as vLLM's attention layers do
+            for pos in range(start, end):
+                b, slot = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
                 t[b, :, slot, :] = expected_value(toks[pos], pos)
 
     def run(self, timeout: float = 30.0) -> None:
@@ -248,21 +252,18 @@ def harness_factory(model_dir: str, kvray_ns: str) -> Iterator[Any]:
         h.scheduler.connector.shutdown()
 
 
-@pytest.mark.parametrize("load_mode", ["sync", "async"])
+@pytest.mark.parametrize("load_mode", ["sync", "layerwise", "async"])
 def test_load_lifecycle(harness_factory: Any, load_mode: str) -> None:
     h = harness_factory(load_mode=load_mode)
     p = prompt(3 * BLOCK_SIZE + 4, seed=1)
     h.add(p)
     h.settle()
     assert h.sconn.counters.stored_blocks == 3
-    # Scheduler and worker in one process share a store; the scheduler prefetches its hits.
-    store = h.worker.worker.store
-    assert h.sconn.store is store and store.prefetch_consumers >= 1
-    prefetches = store.tally.prefetches
+    # Scheduler and worker in one process share a store client.
+    assert h.sconn.store is h.worker.worker.store
 
     req = h.add(p)
     so = h.step()
-    assert store.tally.prefetches == prefetches + 1
     meta = so.kv_connector_metadata
     (load,) = meta.loads.values()
     assert load.is_async == (load_mode == "async")
@@ -274,13 +275,77 @@ def test_load_lifecycle(harness_factory: Any, load_mode: str) -> None:
         while not h.step().num_scheduled_tokens:
             assert time.monotonic() < deadline, "the async load never finished"
             time.sleep(0.01)
-    assert not store._prefetched, "the worker's load took the prefetched blocks"
     for i, b in enumerate(load.block_ids):
         assert h.block_matches(b, p[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], i * BLOCK_SIZE)
     assert h.sconn.hit_tokens == 3 * BLOCK_SIZE and req.num_computed_tokens >= 3 * BLOCK_SIZE
     h.run()
     assert h.sconn.counters.loaded_blocks == 3
     assert_scheduler_empty(h)
+
+
+def test_layerwise_load_runs_ahead_of_the_forward(harness_factory: Any) -> None:
+    """``wait_for_layer_load`` returns as soon as its layer is in place, while later layers
+    are still being copied; the step's end waits for all of them."""
+    h = harness_factory(load_mode="layerwise")
+    p = prompt(3 * BLOCK_SIZE + 4, seed=12)
+    h.add(p)
+    h.settle()
+    w = h.worker
+    mover = w.worker.mover
+    real_scatter = mover.scatter
+    gate, at_layer_1 = threading.Event(), threading.Event()
+
+    def gated_scatter(*args: Any, layers: tuple[int, int] | None = None, **kw: Any) -> None:
+        if layers == (1, 2):
+            at_layer_1.set()
+            assert gate.wait(30)
+        real_scatter(*args, layers=layers, **kw)
+
+    mover.scatter = gated_scatter
+    first, second = list(h.kv)
+    want = [expected_value(t, i) for i, t in enumerate(p[:BLOCK_SIZE])]
+
+    def check(so: Any) -> None:
+        (load,) = so.kv_connector_metadata.loads.values()
+        block = load.block_ids[0]
+        w.wait_for_layer_load(first)
+        assert at_layer_1.wait(30)
+        assert h.kv[first][block, 0, :, 0].tolist() == want, "layer 0 not there after its wait"
+        assert h.kv[second][block, 0, :, 0].tolist() != want, "layer 1 written before its turn"
+        gate.set()
+        w.wait_for_layer_load(second)
+        assert h.kv[second][block, 0, :, 0].tolist() == want
+
+    try:
+        h.add(p)
+        h.step(after_start=check)
+    finally:
+        gate.set()
+        mover.scatter = real_scatter
+    assert at_layer_1.is_set()
+    h.run()
+    assert h.sconn.counters.loaded_blocks == 3 and h.sconn.counters.failed_blocks == 0
+    assert_scheduler_empty(h)
+
+
+def test_every_rank_reports_every_load_job(harness_factory: Any) -> None:
+    """A load job completes when every rank reported it: a rank that loaded nothing (or any
+    rank but 0) must report too, or the scheduler would track the job forever."""
+    from kvray.connector.metadata import LoadSpec
+
+    h = harness_factory()
+    w = h.worker.worker
+    spec = LoadSpec(req_id="x", block_ids=[3, 4], block_hashes=[b"\x00" * 32, b"\x01" * 32])
+    try:
+        for rank in (0, 1):
+            w.tp_rank = rank
+            assert not w._load(77, spec)  # never stored: nothing loads
+            meta = w.build_connector_worker_meta()
+            assert meta is not None
+            assert meta.completed_jobs == {77: 1} and meta.failed_jobs == {77: 1}
+            assert w.get_block_ids_with_load_errors() == {3, 4}
+    finally:
+        w.tp_rank = 0
 
 
 def test_full_prompt_hit_leaves_one_token(harness_factory: Any) -> None:
@@ -357,7 +422,7 @@ def test_abort_during_async_load(harness_factory: Any) -> None:
     assert_scheduler_empty(h)
 
 
-@pytest.mark.parametrize("load_mode", ["sync", "async"])
+@pytest.mark.parametrize("load_mode", ["sync", "layerwise", "async"])
 def test_load_failure_recomputes(harness_factory: Any, load_mode: str) -> None:
     h = harness_factory(load_mode=load_mode)
     p = prompt(4 * BLOCK_SIZE + 3, seed=6)

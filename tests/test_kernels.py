@@ -402,6 +402,32 @@ def test_scatter_reports_every_row_once(
         assert torch.equal(raw, exp)
 
 
+@pytest.mark.parametrize("alloc", ALLOCS)
+@pytest.mark.parametrize("strategy", ["loop", "index", "threads"])
+def test_scatter_layer_by_layer(alloc: str, strategy: str) -> None:
+    """A load that runs ahead of the forward pass scatters a layer range at a time: each call
+    writes only its layers, and all of them together write what one whole scatter does."""
+    c = make_caches("cpu_kv_interleaved", torch.bfloat16, alloc, factor=2)
+    lay = c.describe()
+    mover = BlockMover(c.layers, lay, torch_strategy=strategy)
+    src_ids, dst_ids = ID_SETS["scattered"]
+    buf = torch.empty(len(src_ids), lay.block_nbytes, dtype=torch.uint8)
+    mover.gather(src_ids, buf)
+    expected = expected_after_scatter(c, src_ids, dst_ids)
+    views = list(c.layers.values())
+    before = [bits(v).clone() for v in views]
+    mover.scatter(dst_ids, buf, layers=(1, 2))
+    for i, (v, old) in enumerate(zip(views, before, strict=True)):
+        assert torch.equal(bits(v), old) == (i != 1), f"layer {i}"
+    for lo, hi in [(0, 1), (2, lay.num_layers)]:
+        mover.scatter(dst_ids, buf, layers=(lo, hi))
+    for raw, exp in zip(c.raws, expected, strict=True):
+        assert torch.equal(raw, exp)
+    for bad in [(0, 0), (1, lay.num_layers + 1), (-1, 1)]:
+        with pytest.raises(ValueError, match="layers"):
+            mover.scatter(dst_ids, buf, layers=bad)
+
+
 def test_threads_with_fewer_layers_than_threads() -> None:
     t = torch.empty(NB, H, N, 2 * D, dtype=torch.bfloat16)
     t.view(torch.int16).random_()

@@ -240,43 +240,6 @@ def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(kvray_ns:
     store.close()
 
 
-def test_prefetch_is_taken_by_the_fetch_of_the_same_keys(
-    kvray_ns: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import kvray.client as client
-
-    store = kvray.connect(kvray_ns)
-    keys = _keys(4, tag="pre")
-    blocks = _blocks(4, seed=11)
-    store.put(keys, blocks).result(timeout=30)
-    store.sync()
-    me = ray.get_runtime_context().get_node_id()
-    pool = ray.get_actor(pool_name(kvray_ns, me), namespace=RAY_NAMESPACE)
-    hits = ray.get(pool.stats.remote())["hits"]
-    assert store.prefetch(keys)
-    assert not store.prefetch(keys), "the same keys are prefetched once"
-    fetched = store.fetch(keys)
-    assert [a.tobytes() for a in fetched.arrays] == [b.tobytes() for b in blocks]
-    assert store.verify(fetched) == 4
-    # One lease served both: the fetch asked the pool nothing.
-    assert ray.get(pool.stats.remote())["hits"] == hits + 4
-    assert store.stats()["client"]["prefetches"] == 1
-    # A fetch of other keys does not take it; it expires, and the count of waiting ones is
-    # bounded.
-    assert store.prefetch(keys)
-    assert len(store.fetch(keys[:2]).arrays) == 2
-    assert ray.get(pool.stats.remote())["hits"] == hits + 4 + 4 + 2
-    monkeypatch.setattr(client, "PREFETCH_TTL_S", 0.0)
-    monkeypatch.setattr(client, "MAX_PREFETCHES", 2)
-    assert store.prefetch(keys[1:])
-    assert tuple(keys) not in store._prefetched, "the expired prefetch was dropped"
-    monkeypatch.setattr(client, "PREFETCH_TTL_S", 60.0)
-    assert store.prefetch(keys[2:])
-    assert not store.prefetch(keys[3:]), "at most MAX_PREFETCHES wait"
-    store.close()
-    assert not store._prefetched
-
-
 def test_connector_halves_in_one_process_share_a_store(kvray_ns: str) -> None:
     pytest.importorskip("vllm")  # kvray.connector imports vLLM
     from kvray.config import KVRayConfig

@@ -157,7 +157,8 @@ class KVRayConnector(KVConnectorBase_V1):
         self.worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self.connector_worker is not None:
+            self.connector_worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,

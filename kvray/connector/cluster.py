@@ -45,7 +45,7 @@ def join_cluster(config: KVRayConfig) -> None:
 
 #: One store client per configuration and process, shared by the connector halves living in
 #: it (vLLM's EngineCore hosts the scheduler and, at TP=1, the worker): one feed thread and
-#: one view instead of two, and the scheduler can prefetch for its worker. Reference-counted.
+#: one view instead of two (less background work next to the forward pass). Reference-counted.
 _shared: dict[KVRayConfig, tuple[Any, int]] = {}
 _shared_lock = threading.Lock()
 

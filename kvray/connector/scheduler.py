@@ -161,19 +161,7 @@ class KVRayConnectorScheduler:
         if hit_blocks <= start:
             return 0, False
         num_tokens = hit_blocks * bs - num_computed_tokens
-        self._prefetch(list(request.block_hashes[start:hit_blocks]))
         return num_tokens, self._load_async
-
-    def _prefetch(self, block_hashes: list[bytes]) -> None:
-        """Start reading a hit for the worker when it lives in this process (TP=1 in the
-        EngineCore): the pool round trip then overlaps the rest of the step, and the worker's
-        load finds the blocks mapped. Never waits; a prefetch nobody takes expires."""
-        if self.world_size != 1 or getattr(self.store, "prefetch_consumers", 0) <= 0:
-            return
-        try:
-            self.store.prefetch(make_keys(self._prefixes[0], block_hashes))
-        except Exception:  # an optimisation only: the worker reads the blocks itself
-            logger.debug("kvray: prefetch failed", exc_info=True)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -54,6 +54,16 @@ logger = logging.getLogger(__name__)
 ASYNC_LOAD_WAIT_S = 0.005
 
 
+class _LayerProgress:
+    """How far a step's layer-by-layer loads are (the forward pass waits on ``cv``)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.layers_done = 0
+        self.finished = False
+        self.future: Future[None] | None = None
+
+
 class KVRayConnectorWorker:
     """Executes the scheduler's jobs for one TP rank and reports them back."""
 
@@ -89,6 +99,12 @@ class KVRayConnectorWorker:
         self._load_errors: set[int] = set()
         self._puts: dict[JobId, Future[Any]] = {}
         self._loader: ThreadPoolExecutor | None = None
+        #: Sync loads run layer by layer ahead of the forward pass (``load_mode="layerwise"``,
+        #: CPU caches); ``_layer_progress`` tracks the current step's.
+        self._layerwise = False
+        self._layer_index: dict[str, int] = {}
+        self._layer_loader: ThreadPoolExecutor | None = None
+        self._layer_progress: _LayerProgress | None = None
 
     # ---------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -108,8 +124,10 @@ class KVRayConnectorWorker:
             )
         self.block_nbytes = int(layout.block_nbytes)
         self.mover = BlockMover(kv_caches, layout)
-        if hasattr(self.store, "prefetch_consumers"):
-            self.store.prefetch_consumers += 1  # a scheduler in this process may prefetch
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._layerwise = self.config.load_mode == "layerwise" and self.device.type == "cpu"
+        if self.config.load_mode == "layerwise" and not self._layerwise:
+            logger.info("kvray: layer-by-layer loads are for CPU caches; loading whole blocks")
         max_blocks = max(1, self.config.staging_bytes // self.block_nbytes)
         self.staging = StagingPool(self.block_nbytes, max_blocks, "cpu")
         logger.info(
@@ -133,6 +151,8 @@ class KVRayConnectorWorker:
 
     # ---------------------------------------------------------------- loads
     def start_load_kv(self, meta: KVRayConnectorMetadata) -> None:
+        self._finish_layerwise()  # defensive: the previous step's loads are complete
+        layerwise: list[tuple[JobId, LoadSpec]] = []
         for job_id, spec in meta.loads.items():
             if spec.is_async:
                 if self._loader is None:
@@ -145,8 +165,72 @@ class KVRayConnectorWorker:
                     with self._lock:
                         self._async_inflight -= 1
                     raise
+            elif self._layerwise:
+                layerwise.append((job_id, spec))
             else:
                 self._load(job_id, spec)
+        if layerwise:
+            if self._layer_loader is None:
+                self._layer_loader = ThreadPoolExecutor(1, thread_name_prefix="kvray-layers")
+            progress = _LayerProgress()
+            progress.future = self._layer_loader.submit(self._load_layerwise, progress, layerwise)
+            self._layer_progress = progress
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this step's layer-by-layer loads have filled ``layer_name``."""
+        progress = self._layer_progress
+        if progress is None:
+            return
+        index = self._layer_index.get(layer_name)
+        with progress.cv:
+            while not progress.finished and (index is None or progress.layers_done <= index):
+                progress.cv.wait()
+
+    def _finish_layerwise(self) -> None:
+        """Wait for this step's layer-by-layer loads, checksums included (their errors must
+        reach vLLM with this step's output)."""
+        progress = self._layer_progress
+        if progress is None:
+            return
+        assert progress.future is not None
+        progress.future.result()
+        self._layer_progress = None
+
+    def _load_layerwise(self, progress: _LayerProgress, jobs: list[tuple[JobId, LoadSpec]]) -> None:
+        """Fetch every load of the step, scatter them one layer at a time (the forward pass
+        waits in ``wait_for_layer_load`` only for the layer it needs next), then verify."""
+        t0 = time.perf_counter()
+        fetched: list[tuple[JobId, LoadSpec, Fetched | None, str]] = []
+        recorded: set[JobId] = set()
+        try:
+            for job_id, spec in jobs:
+                got, why = self._fetch(spec)
+                fetched.append((job_id, spec, got, why))
+            for layer in range(self.mover.layout.num_layers):
+                for _, spec, got, _ in fetched:
+                    if got is not None and got.arrays:
+                        n = len(got.arrays)
+                        self._scatter(spec.block_ids[:n], got.arrays, layers=(layer, layer + 1))
+                with progress.cv:
+                    progress.layers_done = layer + 1
+                    progress.cv.notify_all()
+            for job_id, spec, got, why in fetched:
+                n = 0
+                if got is not None and got.arrays:
+                    n = self.store.verify(got)
+                    if n < len(got.arrays):
+                        why = "checksum mismatch"
+                self._record_load(job_id, spec, n, why, t0)
+                recorded.add(job_id)
+        except Exception as e:  # nothing of this step's loads is trusted: recompute it all
+            logger.exception("kvray: layer-by-layer load failed")
+            for job_id, spec in jobs:
+                if job_id not in recorded:
+                    self._record_load(job_id, spec, 0, f"{type(e).__name__}: {e}", t0)
+        finally:
+            with progress.cv:
+                progress.finished = True
+                progress.cv.notify_all()
 
     def _load_async(self, job_id: JobId, spec: LoadSpec) -> None:
         try:
@@ -165,26 +249,33 @@ class KVRayConnectorWorker:
             self._async_inflight -= 1
             self._load_cv.notify_all()
 
-    def _load(self, job_id: JobId, spec: LoadSpec) -> bool:
-        t0 = time.perf_counter()
+    def _fetch(self, spec: LoadSpec) -> tuple[Fetched | None, str]:
+        """The readable prefix of a load (unverified), or None and why."""
         keys = make_keys(self.prefix, spec.block_hashes)
         try:
             fetched = self.store.fetch(keys, timeout=self.config.get_timeout_s)
         except Exception as e:  # pool or cluster unavailable: recompute everything
-            fetched, why = None, f"{type(e).__name__}: {e}"
+            return None, f"{type(e).__name__}: {e}"
+        return fetched, fetched.reason
+
+    def _load(self, job_id: JobId, spec: LoadSpec) -> bool:
+        t0 = time.perf_counter()
+        fetched, why = self._fetch(spec)
         n = 0
-        if fetched is not None:
-            why = fetched.reason
-            if fetched.arrays:
-                n = self._scatter_verified(spec.block_ids[: len(fetched.arrays)], fetched)
-                if n < len(fetched.arrays):
-                    why = "checksum mismatch"
+        if fetched is not None and fetched.arrays:
+            n = self._scatter_verified(spec.block_ids[: len(fetched.arrays)], fetched)
+            if n < len(fetched.arrays):
+                why = "checksum mismatch"
+        return self._record_load(job_id, spec, n, why, t0)
+
+    def _record_load(self, job_id: JobId, spec: LoadSpec, n: int, why: str, t0: float) -> bool:
+        """Count a load whose first ``n`` blocks are in place; the rest go to vLLM as errors."""
         bad = spec.block_ids[n:]
         if bad:
             logger.warning(
                 "kvray: %d of %d blocks of %s not loaded (%s); vLLM recomputes them",
                 len(bad),
-                len(keys),
+                len(spec.block_ids),
                 spec.req_id,
                 why,
             )
@@ -196,9 +287,9 @@ class KVRayConnectorWorker:
             c.failed_blocks += len(bad)
             if bad:
                 self._load_errors.update(bad)
+            self._meta.mark(job_id, ok=not bad)
         if n and self.tp_rank == 0:  # one rank counts tokens for the dashboard
             self.store.tally.tokens_loaded += n * self.key_space.block_size
-            self._meta.mark(job_id, ok=not bad)
         return not bad
 
     def _scatter_verified(self, block_ids: list[int], fetched: Fetched) -> int:
@@ -227,6 +318,7 @@ class KVRayConnectorWorker:
         block_ids: list[int],
         arrays: list[np.ndarray],
         on_block: Callable[[int], None] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         """Copy fetched blocks into the paged cache, straight from Ray's buffers when it can.
 
@@ -258,7 +350,7 @@ class KVRayConnectorWorker:
                         for k in range(first + pos, first + pos + length):
                             on_block(k)
 
-                self.mover.scatter(block_ids[i:j], src, on_rows=hook)
+                self.mover.scatter(block_ids[i:j], src, on_rows=hook, layers=layers)
             else:
                 lease = self._lease(j - i)
                 buf = (
@@ -272,7 +364,7 @@ class KVRayConnectorWorker:
                         view[k - i] = arrays[k]
                         if on_block is not None:
                             on_block(k)
-                    self.mover.scatter(block_ids[i:j], buf)
+                    self.mover.scatter(block_ids[i:j], buf, layers=layers)
                 finally:
                     if lease is not None:
                         lease.release()
@@ -280,6 +372,7 @@ class KVRayConnectorWorker:
 
     # ---------------------------------------------------------------- saves
     def wait_for_save(self, meta: KVRayConnectorMetadata) -> None:
+        self._finish_layerwise()
         for job_id, spec in meta.stores.items():
             self._save(job_id, spec)
 
@@ -347,6 +440,7 @@ class KVRayConnectorWorker:
 
     # ---------------------------------------------------------------- reports
     def get_finished(self) -> tuple[set[ReqId], set[ReqId], set[ReqId]]:
+        self._finish_layerwise()
         with self._lock:
             if self._async_inflight > 0 and not self._finished_recving:
                 self._load_cv.wait(ASYNC_LOAD_WAIT_S)
@@ -356,11 +450,13 @@ class KVRayConnectorWorker:
         return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layerwise()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
     def build_connector_worker_meta(self) -> KVRayWorkerMetadata | None:
+        self._finish_layerwise()
         with self._lock:
             if self._meta.is_empty():
                 return None
@@ -378,6 +474,8 @@ class KVRayConnectorWorker:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def shutdown(self) -> None:
+        self._finish_layerwise()
         self.flush(timeout=5.0)
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
+        for pool in (self._loader, self._layer_loader):
+            if pool is not None:
+                pool.shutdown(wait=True)

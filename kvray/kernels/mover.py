@@ -142,14 +142,28 @@ class BlockMover:
         self._torch.gather(ids, dst)
 
     def scatter(
-        self, block_ids: BlockIds, src: torch.Tensor, on_rows: RowsHook | None = None
+        self,
+        block_ids: BlockIds,
+        src: torch.Tensor,
+        on_rows: RowsHook | None = None,
+        *,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         """Copy ``src[i]`` into KV block ``block_ids[i]`` (all layers); returns when done.
 
         On CUDA the compute stream is also ordered after the scatter. ``on_rows(pos, length)``
         is called for every row of ``src`` once it is no longer needed in the CPU's cache for
         the copy: on the CPU by the copy thread right after copying those rows (a checksum of
-        them then reads cached bytes), on CUDA for all rows while the device copies."""
+        them then reads cached bytes), on CUDA for all rows while the device copies.
+
+        ``layers=(lo, hi)``: copy only those layers of each block (CPU caches), so a load can
+        run layer by layer ahead of the forward pass."""
+        if layers is not None:
+            lo, hi = layers
+            if self.device.type != "cpu":
+                raise ValueError("a scatter of a layer range is for CPU caches")
+            if not 0 <= lo < hi <= self.layout.num_layers:
+                raise ValueError(f"layers must be 0 <= lo < hi <= {self.layout.num_layers}")
         if self.device.type == "cuda":
             handle = self.scatter_async(block_ids, src)
             try:
@@ -160,7 +174,7 @@ class BlockMover:
             return
         ids = as_block_ids(block_ids, self.layout.num_blocks, unique=True)
         srcv = self._check_buffer(src, len(ids), "src")
-        self._torch.scatter(ids, srcv, on_rows=on_rows)
+        self._torch.scatter(ids, srcv, on_rows=on_rows, layers=layers)
 
     # -- asynchronous ----------------------------------------------------------------------
     def gather_async(self, block_ids: BlockIds, out: torch.Tensor) -> TransferHandle:

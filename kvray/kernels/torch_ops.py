@@ -150,11 +150,14 @@ class TorchMover:
         )
         return n * unit >= _MIN_SCATTER_RUN_BYTES * len(runs)
 
-    def _use_threads(self, n: int) -> bool:
-        """numpy copies in threads: CPU, and enough bytes to pay for the thread hand-off."""
+    def _use_threads(self, n: int, layers: int | None = None) -> bool:
+        """numpy copies in threads: CPU, and enough bytes to pay for the thread hand-off
+        (``n`` blocks, or ``layers`` layers of each)."""
         if self.strategy != "auto":
             return self.strategy == "threads"
-        return self._on_cpu and n * self.plan.layout.block_nbytes >= _MIN_THREADED_BYTES
+        layout = self.plan.layout
+        per_block = layout.block_nbytes if layers is None else layers * layout.layer_block_nbytes
+        return self._on_cpu and n * per_block >= _MIN_THREADED_BYTES
 
     def _index(self, block_ids: np.ndarray, device_ids: torch.Tensor | None) -> torch.Tensor:
         if device_ids is not None:
@@ -172,6 +175,7 @@ class TorchMover:
         *,
         to_buffer: bool,
         on_rows: RowsHook | None = None,
+        layer_range: tuple[int, int] | None = None,
     ) -> None:
         """Copy with numpy in up to ``self._threads`` threads (the caller's thread is one).
 
@@ -189,11 +193,17 @@ class TorchMover:
         buf_np = buf.view(n, *self._block_shape).numpy()
         combined, layers = self._combined_np, self._layers_np
         layout = self.plan.layout
-        num_layers, threads = layout.num_layers, self._threads
-        per_piece = max(1, _PIECE_BYTES // layout.block_nbytes)
+        threads = self._threads
+        first_layer, end_layer = layer_range or (0, layout.num_layers)
+        num_layers = end_layer - first_layer
+        moved_nbytes = num_layers * layout.layer_block_nbytes  # per block
+        per_piece = max(1, _PIECE_BYTES // moved_nbytes)
         # Split each block's layers when a block alone is bigger than a piece.
-        parts = min(num_layers, max(1, layout.block_nbytes // _PIECE_BYTES))
-        bounds = [(k * num_layers // parts, (k + 1) * num_layers // parts) for k in range(parts)]
+        parts = min(num_layers, max(1, moved_nbytes // _PIECE_BYTES))
+        bounds = [
+            (first_layer + k * num_layers // parts, first_layer + (k + 1) * num_layers // parts)
+            for k in range(parts)
+        ]
         pieces = [
             (pos + k, first + k, min(per_piece, length - k), lo, hi)
             for pos, first, length in runs
@@ -215,7 +225,7 @@ class TorchMover:
                     assert layers is not None
                     for layer in range(lo, hi):
                         copy(b[:, layer], layers[layer][first : first + length])
-                if on_rows is not None and lo == 0:
+                if on_rows is not None and lo == first_layer:
                     on_rows(pos, length)
 
         helpers = min(threads, len(pieces)) - 1
@@ -268,20 +278,23 @@ class TorchMover:
         src: torch.Tensor,
         device_ids: torch.Tensor | None = None,
         on_rows: RowsHook | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        """Block ``block_ids[i]`` (all layers) ``= src[i]``; ids must be distinct.
+        """Block ``block_ids[i]`` ``= src[i]``; ids must be distinct.
 
+        ``layers``: only layers ``[lo, hi)`` of each block (a layer-by-layer load), else all.
         ``on_rows(pos, length)``: see :meth:`_threaded`; without the copy threads it is called
         once for all rows, after the copy."""
         n = len(block_ids)
         if n == 0:
             return
+        lo, hi = layers if layers is not None else (0, self.plan.layout.num_layers)
         srcv = self._buffer_view(src, n)
         runs = block_runs(block_ids)
-        if self._use_threads(n):
-            self._threaded(runs, src, n, to_buffer=False, on_rows=on_rows)
+        if self._use_threads(n, hi - lo):
+            self._threaded(runs, src, n, to_buffer=False, on_rows=on_rows, layer_range=(lo, hi))
             return
-        self._scatter_ops(block_ids, srcv, runs, device_ids)
+        self._scatter_ops(block_ids, srcv, runs, device_ids, lo, hi)
         if on_rows is not None:
             on_rows(0, n)
 
@@ -291,19 +304,25 @@ class TorchMover:
         srcv: torch.Tensor,
         runs: list[tuple[int, int, int]],
         device_ids: torch.Tensor | None,
+        lo: int,
+        hi: int,
     ) -> None:
         n = len(block_ids)
         loop = self._use_loop(runs, n, gather=False)
         if self._combined is not None:
+            every = lo == 0 and hi == self.plan.layout.num_layers
+            combined = self._combined if every else self._combined[:, lo:hi]
+            src = srcv if every else srcv[:, lo:hi]
             if loop:
                 for pos, first, length in runs:
-                    self._combined[first : first + length].copy_(srcv[pos : pos + length])
+                    combined[first : first + length].copy_(src[pos : pos + length])
             else:
-                self._combined.index_copy_(0, self._index(block_ids, device_ids), srcv)
+                combined.index_copy_(0, self._index(block_ids, device_ids), src)
             return
         assert self._layer_views is not None
         idx = None if loop else self._index(block_ids, device_ids)
-        for layer, view in enumerate(self._layer_views):
+        for layer in range(lo, hi):
+            view = self._layer_views[layer]
             src_l = srcv[:, layer]
             if idx is None:
                 for pos, first, length in runs:
