@@ -237,6 +237,9 @@ def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(kvray_ns:
     fetched = store.fetch(keys[:4])
     assert fetched.keys == keys[:2] and fetched.reason
     assert ray.get(pool.stats.remote())["lost"] == 1
+    # Finished reads give their leases back in batches, within about a second.
+    _wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
+    assert ray.get(pool.stats.remote())["served_bytes"] == (4 + 4 + 2) * BLOCK
     store.close()
 
 

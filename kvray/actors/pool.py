@@ -263,6 +263,18 @@ class BlockPool:
         self._metrics.looked_up(found, missing)
         return reply
 
+    def release_many(self, leases: list[tuple[int, int]]) -> None:
+        """``release`` for a batch of ``(lease_id, served_bytes)`` (one call per reader and
+        feed cycle, not one per read)."""
+        served = 0
+        with self._lock:
+            for lease_id, nbytes in leases:
+                served += nbytes
+                self._release(lease_id)
+            self._counters.served_bytes += served
+        if served:
+            self._metrics.served(served)
+
     def release(self, lease_id: int, served_bytes: int = 0) -> None:
         with self._lock:
             self._counters.served_bytes += served_bytes
