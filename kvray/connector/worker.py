@@ -8,7 +8,9 @@ device-to-host copy is synchronised first). A staging budget (``staging_bytes``)
 memory of puts in flight; beyond it a save is dropped and counted, never queued.
 
 Loads: ``sync`` loads complete inside ``start_load_kv`` (vLLM calls it before the forward when
-the step has one); ``async`` loads run on a thread and report through ``finished_recving``.
+the step has one); ``layerwise`` loads (CPU caches) start there and copy one layer at a time on a
+thread while the forward runs, each attention layer waiting in ``wait_for_layer_load`` for its
+own; ``async`` loads run on a thread and report through ``finished_recving``.
 Blocks are scattered while their checksums are verified (see ``_scatter_verified``). The block
 ids of missing, lost or corrupt blocks (from the first bad one on) go to
 ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them: a corrupt block may
@@ -299,8 +301,8 @@ class KVRayConnectorWorker:
         Each block is hashed by the copy thread right after copying it, while its bytes are
         still in the CPU cache: verifying then costs a fraction of reading 64 MiB again (a load
         is memory-bound). A block that fails verification has been written all the same; it
-        and every block after it are reported to vLLM, which recomputes (overwrites) them
-        before anything reads them.
+        and every block after it are reported to vLLM, which drops this step's output for the
+        request and recomputes (overwrites) them.
         """
         arrays = fetched.arrays
         sums: list[int | None] = [None] * len(arrays)
