@@ -82,9 +82,13 @@ class Fetched:
     order; ``reason`` says why the request's next key could not be read (``""``: all read)."""
 
     keys: list[bytes]
-    arrays: list[np.ndarray]
     reason: str
     reads: list[_Read] = field(repr=False)
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """The blocks' bytes (read-only uint8 arrays), one per key."""
+        return [r.array for r in self.reads]
 
 
 class _View:
@@ -395,7 +399,7 @@ class Store:
         reads = [got[k] for k in keys[:n]]
         reason = "" if n == len(keys) else lost.get(keys[n], "not read")
         self.tally.lost += len(lost)
-        fetched = Fetched(keys[:n], [r.array for r in reads], reason, reads)
+        fetched = Fetched(keys[:n], reason, reads)
         self.tally.observe("load_latencies", time.perf_counter() - t0)
         return fetched
 

@@ -152,11 +152,11 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
             dataclasses.replace(r, array=a, checksum=r.checksum if keep_checksums else checksum(a))
             for r, a in zip(real.reads, arrays, strict=True)
         ]
-        return Fetched(real.keys, arrays, real.reason, reads)
+        return Fetched(real.keys, real.reason, reads)
 
     def lossy_fetch(keys: list[bytes], timeout: float | None = None) -> Fetched:
         real = real_fetch(keys)
-        return Fetched(real.keys[:2], real.arrays[:2], "evicted", real.reads[:2])
+        return Fetched(real.keys[:2], "evicted", real.reads[:2])
 
     full = _full_hit(prompts[0])
     try:

@@ -433,7 +433,7 @@ def test_load_failure_recomputes(harness_factory: Any, load_mode: str) -> None:
 
     def lossy_fetch(keys: list[bytes], timeout: float | None = None) -> Fetched:
         real = real_fetch(keys, timeout=timeout)
-        return Fetched(real.keys[:1], real.arrays[:1], "evicted", real.reads[:1])
+        return Fetched(real.keys[:1], "evicted", real.reads[:1])
 
     store.fetch = lossy_fetch
     try:

@@ -276,11 +276,7 @@ class BlockPool:
             self._metrics.served(served)
 
     def release(self, lease_id: int, served_bytes: int = 0) -> None:
-        with self._lock:
-            self._counters.served_bytes += served_bytes
-            self._release(lease_id)
-        if served_bytes:
-            self._metrics.served(served_bytes)
+        self.release_many([(lease_id, served_bytes)])
 
     def _release(self, lease_id: int) -> None:
         lease = self._leases.pop(lease_id, None)

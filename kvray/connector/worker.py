@@ -208,19 +208,19 @@ class KVRayConnectorWorker:
             for job_id, spec in jobs:
                 got, why = self._fetch(spec)
                 fetched.append((job_id, spec, got, why))
+            copies = [(spec, got.arrays) for _, spec, got, _ in fetched if got and got.keys]
             for layer in range(self.mover.layout.num_layers):
-                for _, spec, got, _ in fetched:
-                    if got is not None and got.arrays:
-                        n = len(got.arrays)
-                        self._scatter(spec.block_ids[:n], got.arrays, layers=(layer, layer + 1))
+                for spec, arrays in copies:
+                    n = len(arrays)
+                    self._scatter(spec.block_ids[:n], arrays, layers=(layer, layer + 1))
                 with progress.cv:
                     progress.layers_done = layer + 1
                     progress.cv.notify_all()
             for job_id, spec, got, why in fetched:
                 n = 0
-                if got is not None and got.arrays:
+                if got is not None and got.keys:
                     n = self.store.verify(got)
-                    if n < len(got.arrays):
+                    if n < len(got.keys):
                         why = "checksum mismatch"
                 self._record_load(job_id, spec, n, why, t0)
                 recorded.add(job_id)
@@ -264,9 +264,9 @@ class KVRayConnectorWorker:
         t0 = time.perf_counter()
         fetched, why = self._fetch(spec)
         n = 0
-        if fetched is not None and fetched.arrays:
-            n = self._scatter_verified(spec.block_ids[: len(fetched.arrays)], fetched)
-            if n < len(fetched.arrays):
+        if fetched is not None and fetched.keys:
+            n = self._scatter_verified(spec.block_ids[: len(fetched.keys)], fetched)
+            if n < len(fetched.keys):
                 why = "checksum mismatch"
         return self._record_load(job_id, spec, n, why, t0)
 
