@@ -285,6 +285,21 @@ class Store:
         nodes = self._view.nodes
         return [nodes[s].node_id for s in self._view.holders(key) if s in nodes]
 
+    def prefix_by_node(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """Per alive node: how many leading ``keys`` its pool holds (local view, no actor
+        call). Routers send a request to the node with the longest cached prefix."""
+        view = self._view
+        nodes = view.nodes
+        out = {info.node_id: 0 for info in nodes.values()}
+        holding = set(out)
+        for k in keys:
+            holding &= {nodes[s].node_id for s in view.holders(k) if s in nodes}
+            if not holding:
+                break
+            for node_id in holding:
+                out[node_id] += 1
+        return out
+
     # ------------------------------------------------------------------ puts
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Future[PutResult]:
         """Store blocks under keys in the background; the Future resolves when the pool owns them.

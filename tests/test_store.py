@@ -358,3 +358,18 @@ def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluste
         store.get(keys)
     assert set(info.value.keys) == set(keys)
     store.close()
+
+
+def test_prefix_by_node_counts_leading_keys_per_node(kvray_ns: str) -> None:
+    node_a = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_a" in n["Resources"])
+    keys = _keys(6)
+    ray.get(_put_on_node.options(resources={"node_a": 1}).remote(kvray_ns, keys[:4], 1, 4))
+    store = kvray.connect(kvray_ns)
+    try:
+        store.sync()
+        by_node = store.prefix_by_node(keys)
+        assert by_node[node_a] == 4
+        assert sorted(by_node.values()) == [0, 0, 4]
+        assert store.prefix_by_node(keys[4:])[node_a] == 0
+    finally:
+        store.close()
