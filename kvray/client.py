@@ -84,16 +84,24 @@ class Store:
         self.io = BlockIO(config, self.tally)
         self.feed: Subscriber | None = None
         if subscribe:
-            handles = [
-                ray.get_actor(index_name(config.namespace, i), namespace=RAY_NAMESPACE)
-                for i in range(self.num_index_shards)
-            ]
-            self.feed = Subscriber(config.namespace, handles, config.get_timeout_s)
             try:
-                self.feed.start()
+                self.subscribe()
             except Exception:
                 self.io.close()
                 raise
+
+    def subscribe(self) -> None:
+        """Keep a view of the index from now on (a no-op if the store already does)."""
+        if self.feed is not None:
+            return
+        cfg = self.config
+        handles = [
+            ray.get_actor(index_name(cfg.namespace, i), namespace=RAY_NAMESPACE)
+            for i in range(self.num_index_shards)
+        ]
+        feed = Subscriber(cfg.namespace, handles, cfg.get_timeout_s)
+        feed.start()
+        self.feed = feed
 
     # ------------------------------------------------------------------ guards
     def _check_open(self, what: str) -> None:

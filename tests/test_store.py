@@ -336,9 +336,7 @@ def test_index_restart_restores_entries_from_pools(kvray_ns: str) -> None:
     _wait_for(
         lambda: ray.get(index.current.remote(), timeout=30)[0] != epoch, 60, "the index restart"
     )
-    _wait_for(
-        lambda: (ray.get(index.locate.remote(key_ids(keys))) > 0).all(), 20, "the rebuild"
-    )
+    _wait_for(lambda: (ray.get(index.locate.remote(key_ids(keys))) > 0).all(), 20, "the rebuild")
     _wait_for(lambda: store.lookup(keys) == 10, 20, "the client view to resync")
     assert len(store.get(keys)) == 10
     store.close()

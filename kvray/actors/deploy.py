@@ -107,7 +107,15 @@ class Reconciler:
         """One tick; returns the number of pools that answered."""
         self._ticks += 1
         timeout = max(2.0, 3 * self._cfg.health_check_interval_s)
-        nodes = await asyncio.wait_for(asyncio.to_thread(ray.nodes), timeout=timeout)
+        try:
+            nodes = await asyncio.wait_for(
+                asyncio.to_thread(ray.nodes), timeout=self._cfg.get_timeout_s
+            )
+        except Exception as e:  # the GCS is slow or restarting: check pools, add none
+            logger.warning("kvray reconciler: listing the nodes failed (%s)", type(e).__name__)
+            nodes = [
+                {"NodeID": nid, "Alive": r.dead_since is None} for nid, r in self._pools.items()
+            ]
         alive = {n["NodeID"]: n for n in nodes if n.get("Alive", False)}
         if not self._recovered:
             await self._recover(timeout)
