@@ -24,7 +24,7 @@ import ray
 
 from kvray.actors.index import IndexShardActor
 from kvray.actors.join import ensure_ray
-from kvray.actors.pool import spawn_pool
+from kvray.actors.pool import BlockPoolActor
 from kvray.actors.types import (
     RAY_NAMESPACE,
     NodeInfo,
@@ -76,20 +76,21 @@ class Reconciler:
         self._epoch = uuid.uuid4().hex
 
     def start(self) -> None:
-        self._index = [
-            IndexShardActor.options(  # type: ignore[attr-defined]
-                name=index_name(self._ns, i),
-                namespace=RAY_NAMESPACE,
-                lifetime="detached",
-                get_if_exists=True,
-                num_cpus=0,
-                max_restarts=-1,
-                max_task_retries=-1,
-                max_concurrency=1000,
-            ).remote(self._cfg.to_dict(), i, self._k)
-            for i in range(self._k)
-        ]
+        self._index = [self._index_shard(i) for i in range(self._k)]
         self._task = asyncio.get_event_loop().create_task(self._loop())
+
+    def _index_shard(self, i: int) -> Any:
+        """Get or create index shard ``i`` (detached, restarted by Ray if it crashes)."""
+        return IndexShardActor.options(  # type: ignore[attr-defined]
+            name=index_name(self._ns, i),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=-1,
+            max_concurrency=1000,
+        ).remote(self._cfg.to_dict(), i, self._k)
 
     async def _loop(self) -> None:
         while not self._stopping:
@@ -135,8 +136,16 @@ class Reconciler:
             for r in self._pools.values()
         }
         pushes = [shard.set_pools.remote(statuses) for shard in self._index]
-        with contextlib.suppress(Exception):  # a restarting shard catches up next tick
-            await asyncio.wait_for(asyncio.gather(*pushes, return_exceptions=True), timeout)
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*pushes, return_exceptions=True), timeout
+            )
+        except Exception:  # a restarting shard catches up next tick
+            results = []
+        for i, r in enumerate(results):
+            if isinstance(r, ray.exceptions.ActorDiedError) and not self._stopping:
+                logger.warning("kvray reconciler: index shard %d is gone; starting it again", i)
+                self._index[i] = self._index_shard(i)
         return sum(1 for r in self._pools.values() if r.alive)
 
     def _add_pool(self, node_id: str, node: dict[str, Any]) -> None:
@@ -218,6 +227,45 @@ class Reconciler:
         return [index_name(self._ns, i) for i in range(self._k)] + [
             r.info.pool_name for r in self._pools.values()
         ]
+
+
+def spawn_pool(
+    namespace: str,
+    node_id: str,
+    slot: int,
+    capacity: int,
+    object_store_bytes: int | None,
+    num_index_shards: int,
+    lease_timeout_s: float,
+    get_timeout_s: float,
+) -> Any:
+    """Get or create the pool of ``node_id``: detached, pinned to its node, named.
+
+    The capacity is clamped to 80% of the node's object store so the pool never makes Ray
+    spill or refuse objects of other users.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if object_store_bytes:
+        limit = int(object_store_bytes * 0.8)
+        if capacity > limit:
+            logger.warning(
+                "kvray: capacity %d exceeds 80%% of node %s's object store; using %d",
+                capacity,
+                node_id[:8],
+                limit,
+            )
+            capacity = limit
+    return BlockPoolActor.options(  # type: ignore[attr-defined]
+        name=pool_name(namespace, node_id),
+        namespace=RAY_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=16,
+        max_restarts=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(namespace, node_id, slot, capacity, num_index_shards, lease_timeout_s, get_timeout_s)
 
 
 class _ReconcilerActor(Reconciler):

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class IndexShard:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._applied = 0
+        self._busy_s = 0.0  # time spent applying pool updates
         self._metrics = IndexMetrics.disabled()
 
     def start(self) -> None:
@@ -208,12 +210,14 @@ class IndexShard:
         if version <= pool.version:
             return
         pool.version = version
+        t0 = time.perf_counter()
         h = self._holders
         h.seq, h.reuse_floor = self._seq + 1, self._log_floor
         d1 = h.remove(slot, batch.rm_ids, batch.rm_shards)
-        d2 = h.add(slot, batch.add_ids, batch.add_shards, batch.add_nshards)
+        d2 = h.add(slot, batch.add_ids, batch.add_shards, batch.add_nshards, batch.add_unique)
         self._applied += len(batch)
         self._record(Diff(np.concatenate((d1.ids, d2.ids)), np.concatenate((d1.locs, d2.locs))))
+        self._busy_s += time.perf_counter() - t0
 
     def _spawn_resync(self, slot: int, why: str) -> None:
         task = asyncio.get_running_loop().create_task(self._resync(slot, why))
@@ -331,6 +335,7 @@ class IndexShard:
             "pools": sum(1 for p in self._pools.values() if p.healthy),
             "log_entries": self._log_entries,
             "applied": self._applied,
+            "busy_s": self._busy_s,
             "bytes": self._nbytes(),
             "rss_bytes": _rss(),
         }

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,15 +33,10 @@ import numpy as np
 import ray
 from ray import ObjectRef
 
+from kvray.actors.leases import Leases
+from kvray.actors.publisher import IndexPublisher
 from kvray.actors.segment import SegmentMeta
-from kvray.actors.types import (
-    RAY_NAMESPACE,
-    Inventory,
-    LeaseReply,
-    PutResult,
-    ShardBatch,
-    index_name,
-)
+from kvray.actors.types import Inventory, LeaseReply, PutResult
 from kvray.meta.ids import index_shard_of, shard_ids
 from kvray.meta.idtable import IdTable
 from kvray.metrics import PoolMetrics
@@ -73,13 +68,6 @@ class _Counters:
     served_bytes: int = 0
     puts: int = 0
     leases: int = 0
-    expired_leases: int = 0
-
-
-@dataclass
-class _Lease:
-    seg_ids: list[int]
-    expires: float
 
 
 @dataclass
@@ -115,11 +103,8 @@ class BlockPool:
         self._reserved = 0  # bytes promised to puts whose copy is in flight
         self._used = 0
         self._seg_ids = itertools.count(1)
-        self._lease_ids = itertools.count(1)
-        self._leases: dict[int, _Lease] = {}
-        self._lease_order: deque[tuple[float, int]] = deque()  # (expires, lease id)
-        self._versions = [0] * self._num_shards
-        self._index: list[Any] = [None] * self._num_shards
+        self._leases = Leases(lease_timeout_s)
+        self._pub = IndexPublisher(namespace, self._slot, self._incarnation, self._num_shards)
         self._counters = _Counters()
         self._metrics = PoolMetrics.disabled()
 
@@ -130,6 +115,7 @@ class BlockPool:
         # Ray drops a gauge from the Prometheus endpoint ~20 s after its last set; an idle
         # pool must keep reporting its bytes and capacity.
         threading.Thread(target=self._refresh_gauges, name="kvray-gauges", daemon=True).start()
+        self._pub.start()
         logger.info(
             "kvray pool %s slot %d on node %s: capacity %d bytes",
             self._namespace,
@@ -308,7 +294,7 @@ class BlockPool:
         pids = shard_ids(np.asarray(ids, dtype=np.uint64), shards)
         with self._lock:
             self._expire_leases()
-            reply = LeaseReply.empty(next(self._lease_ids), len(keys))
+            reply = LeaseReply.empty(self._leases.next_id(), len(keys))
             slots = self._table.find(pids)
             cols = self._table.cols
             found = 0
@@ -333,9 +319,7 @@ class BlockPool:
             self._counters.hits += found
             self._counters.misses += missing
             if reply.segments:
-                expires = time.monotonic() + self._lease_timeout_s
-                self._leases[reply.lease_id] = _Lease(list(reply.segments), expires)
-                self._lease_order.append((expires, reply.lease_id))
+                self._leases.add(reply.lease_id, list(reply.segments))
                 self._counters.leases += 1
         self._metrics.looked_up(found, missing)
         return reply
@@ -355,10 +339,10 @@ class BlockPool:
         self.release_many([(lease_id, served_bytes)])
 
     def _release(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return
-        for seg_id in lease.seg_ids:
+        self._unlease(self._leases.pop(lease_id))
+
+    def _unlease(self, seg_ids: list[int]) -> None:
+        for seg_id in seg_ids:
             seg = self._segments.get(seg_id)
             if seg is None:
                 continue
@@ -367,16 +351,8 @@ class BlockPool:
                 self._drop_segment(seg_id)
 
     def _expire_leases(self) -> None:
-        now = time.monotonic()
-        order = self._lease_order
-        while order and order[0][0] < now:
-            _, lease_id = order.popleft()
-            if lease_id in self._leases:
-                self._counters.expired_leases += 1
-                logger.warning("kvray pool: lease %d expired without release", lease_id)
-                self._release(lease_id)
-        if len(order) > 4 * len(self._leases) + 1024:  # released leases: compact the queue
-            self._lease_order = deque(e for e in order if e[1] in self._leases)
+        for seg_ids in self._leases.pop_expired():
+            self._unlease(seg_ids)
 
     def report_lost(
         self, keys: list[bytes], ids: np.ndarray, shards: np.ndarray | int, reason: str = "corrupt"
@@ -411,53 +387,23 @@ class BlockPool:
         added: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
         removed: _Removed | None,
     ) -> None:
-        """Send each index shard its part, fire-and-forget, in version order (under the lock)."""
-        if added is not None and added[0].size:
-            a_ids, a_sh, a_nsh = added
-        else:
-            a_ids = a_sh = a_nsh = _EMPTY
+        """Queue changes for the index shards (under the lock, so in the pool's order)."""
         if removed is not None and removed.ids:
-            r_ids, r_sh = np.concatenate(removed.ids), np.concatenate(removed.shards)
-        else:
-            r_ids = r_sh = _EMPTY
-        if not (a_ids.size or r_ids.size):
-            return
-        k = self._num_shards
-        a_of, r_of = index_shard_of(a_ids, k), index_shard_of(r_ids, k)
-        for s in range(k):
-            am = a_of == s if k > 1 else slice(None)
-            rm = r_of == s if k > 1 else slice(None)
-            batch = ShardBatch(
-                a_ids[am], a_sh[am].astype(np.uint16), a_nsh[am].astype(np.uint16),
-                r_ids[rm], r_sh[rm].astype(np.uint16),
-            )  # fmt: skip
-            if not len(batch):
-                continue
-            self._versions[s] += 1
-            index = self._index_handle(s)
-            if index is not None:
-                index.update.remote(self._slot, self._incarnation, self._versions[s], batch)
-
-    def _index_handle(self, shard: int) -> Any:
-        if self._index[shard] is None:
-            try:
-                self._index[shard] = ray.get_actor(
-                    index_name(self._namespace, shard), namespace=RAY_NAMESPACE
-                )
-            except (ValueError, RuntimeError):
-                return None  # that shard resyncs from our inventory when it (re)appears
-        return self._index[shard]
+            self._pub.removed(np.concatenate(removed.ids), np.concatenate(removed.shards))
+        if added is not None:
+            self._pub.added(*added)
 
     def inventory(self, shard: int = 0, num_shards: int = 1) -> Inventory:
         """Every block shard this pool holds whose id falls in index shard ``shard``."""
         with self._lock:
+            versions = self._pub.versions()  # nothing buffered is missed by the resync
             parts = []
             for seg in self._segments.values():
                 pos = np.flatnonzero(seg.live)
                 if pos.size:
                     m = seg.meta
                     parts.append((m.ids[pos], m.shards[pos], m.nshards[pos]))
-            version = self._versions[shard] if shard < len(self._versions) else 0
+            version = versions[shard] if shard < len(versions) else 0
         if parts:
             ids = np.concatenate([p[0] for p in parts])
             sh = np.concatenate([p[1] for p in parts])
@@ -469,9 +415,10 @@ class BlockPool:
         return Inventory(self._slot, self._incarnation, version, ids, sh, nsh)
 
     def ping(self) -> tuple[int, str, tuple[int, ...]]:
-        """(slot, incarnation, update version per index shard)."""
+        """(slot, incarnation, update version per index shard), after sending anything
+        buffered: a barrier that pinged waits for every change made before the ping."""
         with self._lock:
-            return self._slot, self._incarnation, tuple(self._versions)
+            return self._slot, self._incarnation, self._pub.versions()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -500,7 +447,7 @@ class BlockPool:
                 "served_bytes": c.served_bytes,
                 "puts": c.puts,
                 "active_leases": len(self._leases),
-                "expired_leases": c.expired_leases,
+                "expired_leases": self._leases.expired,
             }
 
 
@@ -514,44 +461,3 @@ class _PoolActor(BlockPool):
 
 
 BlockPoolActor = ray.remote(_PoolActor)
-
-
-def spawn_pool(
-    namespace: str,
-    node_id: str,
-    slot: int,
-    capacity: int,
-    object_store_bytes: int | None,
-    num_index_shards: int,
-    lease_timeout_s: float,
-    get_timeout_s: float,
-) -> Any:
-    """Get or create the pool of ``node_id``: detached, pinned to its node, named.
-
-    The capacity is clamped to 80% of the node's object store so the pool never makes Ray
-    spill or refuse objects of other users.
-    """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from kvray.actors.types import pool_name
-
-    if object_store_bytes:
-        limit = int(object_store_bytes * 0.8)
-        if capacity > limit:
-            logger.warning(
-                "kvray: capacity %d exceeds 80%% of node %s's object store; using %d",
-                capacity,
-                node_id[:8],
-                limit,
-            )
-            capacity = limit
-    return BlockPoolActor.options(  # type: ignore[attr-defined]
-        name=pool_name(namespace, node_id),
-        namespace=RAY_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        num_cpus=0,
-        max_concurrency=16,
-        max_restarts=-1,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(namespace, node_id, slot, capacity, num_index_shards, lease_timeout_s, get_timeout_s)

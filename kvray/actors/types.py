@@ -99,6 +99,8 @@ class ShardBatch:
     add_nshards: np.ndarray  # uint16
     rm_ids: np.ndarray  # uint64
     rm_shards: np.ndarray  # uint16
+    #: No id repeats among the additions (skips grouping them).
+    add_unique: bool = False
 
     def __len__(self) -> int:
         return int(self.add_ids.size + self.rm_ids.size)

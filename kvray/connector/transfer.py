@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,7 +41,8 @@ from kvray.connector.metadata import (
     ReqId,
     StoreSpec,
 )
-from kvray.kernels import StagingPool, StagingPoolExhausted
+from kvray.connector.paged import Mover, PagedCopier
+from kvray.kernels import StagingPool
 from kvray.meta.ids import key_ids
 
 logger = logging.getLogger(__name__)
@@ -70,16 +70,6 @@ class TransferStore(Protocol):
     ) -> Fetched: ...
 
     def verify(self, fetched: Fetched, sums: list[int | None] | None = None) -> int: ...
-
-
-class Mover(Protocol):
-    """What the handler needs of :class:`kvray.kernels.BlockMover`."""
-
-    layout: Any
-
-    def gather(self, block_ids: list[int], out: torch.Tensor) -> Any: ...
-
-    def scatter(self, block_ids: list[int], src: torch.Tensor, **kwargs: Any) -> Any: ...
 
 
 @dataclass
@@ -128,6 +118,7 @@ class TransferHandler:
         self.store = store
         self.mover = mover
         self.staging = staging
+        self.copier = PagedCopier(mover, staging, key_space.block_nbytes, device)
         self.tp_rank = tp_rank
         self.shard = key_space.shard_of(tp_rank)
         self.is_writer = key_space.writes(tp_rank)
@@ -215,7 +206,7 @@ class TransferHandler:
                     def hook(i: int) -> None:
                         sums[i] = checksum(arrays[i])
 
-                self._scatter(job.spec.block_ids[: len(arrays)], arrays, hook)
+                self.copier.scatter(job.spec.block_ids[: len(arrays)], arrays, hook)
                 self._verify(job, sums)
         except Exception as e:  # nothing of this load is trusted: recompute it all
             logger.exception("kvray: load of %s failed", job.spec.req_id)
@@ -249,7 +240,9 @@ class TransferHandler:
                 if progress.cancelled:
                     raise TimeoutError("the forward pass stopped waiting for this load")
                 for spec, arrays in copies:
-                    self._scatter(spec.block_ids[: len(arrays)], arrays, layers=(layer, layer + 1))
+                    self.copier.scatter(
+                        spec.block_ids[: len(arrays)], arrays, layers=(layer, layer + 1)
+                    )
                 with progress.cv:
                     progress.layers_done = layer + 1
                     progress.cv.notify_all()
@@ -326,72 +319,6 @@ class TransferHandler:
             self.store.tally.tokens_loaded += job.done * self.key_space.block_size
         return not bad
 
-    def _scatter(
-        self,
-        block_ids: list[int],
-        arrays: list[np.ndarray],
-        on_block: Callable[[int], None] | None = None,
-        layers: tuple[int, int] | None = None,
-    ) -> None:
-        """Copy fetched blocks into the paged cache, straight from Ray's buffers when it can.
-
-        Blocks of one segment usually lie back to back in the object store: each such run is
-        viewed as one ``[k, block_nbytes]`` array and scattered without an intermediate copy.
-        Anything else goes through staging rows. ``on_block(i)`` is called once ``arrays[i]``
-        has been copied (possibly from a copy thread).
-        """
-        nb = self.block_nbytes
-        i = 0
-        while i < len(arrays):
-            j = i + 1
-            base = arrays[i].ctypes.data
-            while (
-                j < len(arrays)
-                and arrays[j].nbytes == nb
-                and arrays[j].ctypes.data == base + (j - i) * nb
-            ):
-                j += 1
-            if arrays[i].nbytes == nb and self.device.type == "cpu":
-                run = np.lib.stride_tricks.as_strided(arrays[i], shape=(j - i, nb), strides=(nb, 1))
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only: we only read it
-                    src = torch.from_numpy(run)
-                hook = None
-                if on_block is not None:
-
-                    def hook(pos: int, length: int, first: int = i) -> None:
-                        for k in range(first + pos, first + pos + length):
-                            on_block(k)
-
-                self.mover.scatter(block_ids[i:j], src, on_rows=hook, layers=layers)
-            else:
-                lease = self._lease(j - i)
-                buf = (
-                    lease.tensor
-                    if lease is not None
-                    else torch.empty((j - i, nb), dtype=torch.uint8)
-                )
-                try:
-                    view = buf.numpy()
-                    for k in range(i, j):
-                        view[k - i] = arrays[k]
-                        if on_block is not None:
-                            on_block(k)
-                    self.mover.scatter(block_ids[i:j], buf, layers=layers)
-                finally:
-                    if lease is not None:
-                        lease.release()
-            i = j
-
-    def _lease(self, n: int) -> Any | None:
-        """Staging rows for ``n`` blocks without waiting (None when the pool is full)."""
-        if n > self.staging.max_blocks:
-            return None
-        try:
-            return self.staging.acquire(n, timeout=0)
-        except StagingPoolExhausted:
-            return None
-
     # ---------------------------------------------------------------- stores
     def submit_store(self, job_id: JobId, spec: StoreSpec) -> None:
         """Gather the job's blocks into staging (in pieces that fit) and put them; a piece
@@ -416,7 +343,7 @@ class TransferHandler:
         self._mark_store(job_id, spec, futures, ok=ok)
 
     def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[Any] | None:
-        lease = self._lease(b - a)
+        lease = self.copier.lease(b - a)
         if lease is None:
             logger.warning("kvray: staging full, dropping a save of %d blocks", b - a)
             return None

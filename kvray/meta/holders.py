@@ -136,49 +136,59 @@ class HolderTable:
         return ids[keep], loc[keep]
 
     # ------------------------------------------------------------------ mutations
-    def add(self, slot: int, ids: np.ndarray, shards: np.ndarray, nshards: np.ndarray) -> Diff:
-        """Pool ``slot`` now holds these shards. Returns the blocks whose code changed."""
-        touched, old = self._add(slot, ids, shards, nshards)
-        return self._diff(touched, old)
+    def add(
+        self,
+        slot: int,
+        ids: np.ndarray,
+        shards: np.ndarray,
+        nshards: np.ndarray,
+        unique: bool = False,
+    ) -> Diff:
+        """Pool ``slot`` now holds these shards (``unique``: no id repeats in the batch).
+        Returns the blocks whose code changed."""
+        return _changed(*self._add(slot, ids, shards, nshards, unique))
 
     def remove(self, slot: int, ids: np.ndarray, shards: np.ndarray) -> Diff:
         """Pool ``slot`` no longer holds these shards."""
-        touched, old = self._remove(slot, ids, shards)
-        return self._diff(touched, old)
+        return _changed(*self._remove(slot, ids, shards))
 
     def purge(self, slot: int) -> Diff:
         """Pool ``slot`` holds nothing any more (it died or stopped answering)."""
-        touched, old = self._purge(slot)
-        return self._diff(touched, old)
+        return _changed(*self._purge(slot))
 
     def replace(self, slot: int, ids: np.ndarray, shards: np.ndarray, nshards: np.ndarray) -> Diff:
         """Pool ``slot`` holds exactly these shards (a resync from its inventory): only the
         net change is reported, so a resync of an unchanged pool emits nothing."""
-        t1, o1 = self._purge(slot)
-        t2, o2 = self._add(slot, ids, shards, nshards)
+        t1, o1, _ = self._purge(slot)
+        t2, o2, _ = self._add(slot, ids, shards, nshards, False)
         touched = np.concatenate((t1, t2))
         old = np.concatenate((o1, o2))
         touched, first = np.unique(touched, return_index=True)
-        return self._diff(touched, old[first])
+        return _changed(touched, old[first], self.locs(touched))
 
     # ------------------------------------------------------------------ internals
-    def _diff(self, touched: np.ndarray, old: np.ndarray) -> Diff:
-        now = self.locs(touched)
-        changed = now != old
-        return Diff(touched[changed], now[changed])
-
     def _add(
-        self, slot: int, ids: np.ndarray, shards: np.ndarray, nshards: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, slot: int, ids: np.ndarray, shards: np.ndarray, nshards: np.ndarray, unique: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not ids.size:
-            return _EMPTY_IDS, _EMPTY_LOCS
-        uniq, bits, first = _group(ids, shards)
-        nsh = np.asarray(nshards, dtype=np.uint8)[first]
+            return _EMPTY_IDS, _EMPTY_LOCS, _EMPTY_LOCS
+        if unique:
+            uniq, bits = np.asarray(ids, dtype=np.uint64), _bits(shards)
+            nsh = np.asarray(nshards, dtype=np.uint8)
+        else:
+            uniq, bits, first = _group(ids, shards)
+            nsh = np.asarray(nshards, dtype=np.uint8)[first]
         slots, new = self.table.claim(uniq)
         cols = self.table.cols
-        old = cols["loc"][slots].copy()
-        old[new] = 0
         sl, mk = cols["slot"], cols["mask"]
+        if new.all():  # the common case: blocks this index has not seen (columns are zero)
+            cols["nshards"][slots] = nsh
+            sl[slots] = slot
+            mk[slots] = bits
+            loc = np.where(bits == full_masks(nsh), np.uint16(slot + 1), np.uint16(0))
+            cols["loc"][slots] = loc
+            return uniq, np.zeros(uniq.size, dtype=np.uint16), loc
+        old = cols["loc"][slots].copy()
         s_new = slots[new]
         cols["nshards"][s_new] = nsh[new]
         sl[s_new] = slot
@@ -189,8 +199,7 @@ class HolderTable:
         mk[s_ex[same]] |= bits[ex[same]]
         for i in ex[~same].tolist():  # a second pool, or an already split block: rare
             self._add_multi(int(uniq[i]), int(slots[i]), slot, int(bits[i]))
-        self._relocate(slots, uniq, old)
-        return uniq, old
+        return uniq, old, self._relocate(slots, uniq, old)
 
     def _add_multi(self, bid: int, row: int, slot: int, bits: int) -> None:
         cols = self.table.cols
@@ -204,9 +213,9 @@ class HolderTable:
 
     def _remove(
         self, slot: int, ids: np.ndarray, shards: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not ids.size:
-            return _EMPTY_IDS, _EMPTY_LOCS
+            return _EMPTY_IDS, _EMPTY_LOCS, _EMPTY_LOCS
         uniq, bits, _ = _group(ids, shards)
         slots = self.table.find(uniq)
         keep = slots >= 0
@@ -219,8 +228,7 @@ class HolderTable:
         mk[slots[same]] &= ~bits[same]
         for i in np.flatnonzero(cur == _MULTI).tolist():
             self._remove_multi(int(uniq[i]), int(slots[i]), slot, int(bits[i]))
-        self._relocate(slots, uniq, old)
-        return uniq, old
+        return uniq, old, self._relocate(slots, uniq, old)
 
     def _remove_multi(self, bid: int, row: int, slot: int, bits: int) -> None:
         holders = self.multi[bid]
@@ -238,7 +246,7 @@ class HolderTable:
             cols["slot"][row] = s
             cols["mask"][row] = m
 
-    def _purge(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    def _purge(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cols = self.table.cols
         rows = np.flatnonzero(self.table.occupied() & (cols["slot"] == slot))
         cols["mask"][rows] = 0
@@ -251,11 +259,11 @@ class HolderTable:
             rows = np.concatenate((rows, mrows))
         ids = self.table.keys[rows].copy()
         old = cols["loc"][rows].copy()
-        self._relocate(rows, ids, old)
-        return ids, old
+        return ids, old, self._relocate(rows, ids, old)
 
-    def _relocate(self, rows: np.ndarray, ids: np.ndarray, old: np.ndarray) -> None:
-        """Recompute the code of ``rows`` after their holders changed; drop empty rows."""
+    def _relocate(self, rows: np.ndarray, ids: np.ndarray, old: np.ndarray) -> np.ndarray:
+        """Recompute the code of ``rows`` after their holders changed; drop empty rows.
+        Returns the new codes (0 for dropped rows)."""
         cols = self.table.cols
         sl, mk = cols["slot"], cols["mask"]
         slot = sl[rows]
@@ -270,6 +278,7 @@ class HolderTable:
         dead = (slot != _MULTI) & (mask == 0)
         if dead.any():
             self.table.delete_slots(rows[dead])
+        return loc
 
     def _multi_loc(self, bid: int, full: int, nshards: int) -> int:
         holders = self.multi[bid]
@@ -303,14 +312,23 @@ _EMPTY_IDS = np.zeros(0, dtype=np.uint64)
 _EMPTY_LOCS = np.zeros(0, dtype=np.uint16)
 
 
-def _group(ids: np.ndarray, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Unique ids, the OR of their shard bits, and the index of each id's first occurrence."""
-    ids = np.asarray(ids, dtype=np.uint64)
+def _changed(ids: np.ndarray, old: np.ndarray, new: np.ndarray) -> Diff:
+    keep = new != old
+    return Diff(ids[keep], new[keep])
+
+
+def _bits(shards: np.ndarray) -> np.ndarray:
     sh = np.asarray(shards, dtype=np.uint64)
     if sh.size and int(sh.max()) >= MAX_SHARDS:
         raise ValueError(f"kvray: a block has at most {MAX_SHARDS} shards, got shard {sh.max()}")
-    bits = _ONE << sh
+    return _ONE << sh
+
+
+def _group(ids: np.ndarray, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unique ids, the OR of their shard bits, and the index of each id's first occurrence."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    bits = _bits(shards)
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
-    uniq, start = np.unique(sorted_ids, return_index=True)
-    return uniq, np.bitwise_or.reduceat(bits[order], start), order[start]
+    start = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    return sorted_ids[start], np.bitwise_or.reduceat(bits[order], start), order[start]

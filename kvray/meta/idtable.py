@@ -16,8 +16,8 @@ Concurrency: one writer thread, any number of readers. A rebuild swaps one state
 reader sees the old or the new arrays, never a mix; a reader racing an insert may miss the id
 or see it with its columns still zero (callers treat zero values as "not there yet").
 
-Ids must be uniformly distributed (they are digests, :mod:`kvray.meta.ids`): the home slot is
-the id's low bits.
+The home slot of an id is the top bits of ``id * 0x9E3779B97F4A7C15`` (Fibonacci hashing), so
+even sequential ids spread over the table instead of forming one long probe run.
 """
 
 from __future__ import annotations
@@ -36,12 +36,19 @@ SMALL = 192
 _MIN_CAPACITY = 64
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
 @dataclass(frozen=True, eq=False)
 class _State:
     keys: np.ndarray
     cols: dict[str, np.ndarray]
     mask: int
     view: memoryview
+    shift: np.uint64  # 64 - log2(capacity)
+
+    def home(self, ids: np.ndarray) -> np.ndarray:
+        return (np.multiply(ids, _GOLDEN) >> self.shift).astype(np.int64)
 
 
 class IdTable:
@@ -69,7 +76,7 @@ class IdTable:
     def _new_state(self, cap: int) -> _State:
         keys = np.zeros(cap, dtype=np.uint64)
         cols = {name: np.zeros(cap, dtype=dt) for name, dt in self._dtypes.items()}
-        return _State(keys, cols, cap - 1, memoryview(keys))
+        return _State(keys, cols, cap - 1, memoryview(keys), np.uint64(64 - cap.bit_length() + 1))
 
     @property
     def keys(self) -> np.ndarray:
@@ -96,7 +103,8 @@ class IdTable:
         """Make room for ``extra`` more ids (grow, or rebuild away the tombstones)."""
         if self._used + extra <= self.capacity * self.max_load:
             return
-        self._rebuild(_capacity_for(max(self._live + extra, 1) * 2, self.max_load))
+        # The smallest power of two under the load limit: a growing table doubles.
+        self._rebuild(_capacity_for(self._live + extra, self.max_load))
 
     def _rebuild(self, cap: int) -> None:
         old = self._s
@@ -117,7 +125,7 @@ class IdTable:
     def load(self, ids: np.ndarray, **values: np.ndarray) -> None:
         """Replace the whole content with unique ``ids`` (built aside, then swapped in)."""
         ids = np.asarray(ids, dtype=np.uint64)
-        new = self._new_state(_capacity_for(ids.size * 2, self.max_load))
+        new = self._new_state(_capacity_for(ids.size, self.max_load))
         if ids.size:
             slots, _ = _claim(new, ids)
             for name, col in new.cols.items():
@@ -187,11 +195,10 @@ class IdTable:
         n_new = int(new.sum())
         self._live += n_new
         self._used += n_new
-        for name, col in s.cols.items():
-            if name in values:
-                col[slots] = values[name]
-            elif n_new:
-                col[slots[new]] = 0
+        # Empty slots hold zero columns (tombstones are never reused before a rebuild), so a
+        # new id's columns start at zero without writing them.
+        for name, value in values.items():
+            s.cols[name][slots] = value
         return slots, new
 
     def delete(self, ids: np.ndarray) -> np.ndarray:
@@ -223,7 +230,7 @@ def _find(s: _State, ids: np.ndarray) -> np.ndarray:
     out = np.full(ids.size, -1, dtype=np.int64)
     idx = np.arange(ids.size)
     cur = ids
-    pos = (cur & np.uint64(mask)).astype(np.int64)
+    pos = s.home(cur)
     while idx.size:
         k = keys[pos]
         hit = k == cur
@@ -239,7 +246,7 @@ def _prefix_len_small(s: _State, ids: np.ndarray) -> int:
     (a 64-id lookup in a 10M-id table touches 64 random cache lines); only the ids not found at
     home are probed on, in a loop over Python ints (their next slots are adjacent)."""
     mask = s.mask
-    home = ids & np.uint64(mask)
+    home = s.home(ids)
     first = s.keys[home]
     off = np.flatnonzero(first != ids)
     if not off.size:
@@ -264,7 +271,7 @@ def _claim(s: _State, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     new = np.zeros(ids.size, dtype=bool)
     idx = np.arange(ids.size)
     cur = ids
-    pos = (cur & np.uint64(mask)).astype(np.int64)
+    pos = s.home(cur)
     while idx.size:
         k = keys[pos]
         hit = k == cur
