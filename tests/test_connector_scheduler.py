@@ -387,6 +387,7 @@ def test_preemption_during_save_keeps_stored_bytes(harness_factory: Any) -> None
 
     store = h.sconn.store
     keys = h.sconn.key_space.block_keys(r1.block_hashes[:5])
+    store.sync()  # the saves' index updates reach this view
     got = store.get(keys)
     for i, arr in enumerate(got):
         block = torch.frombuffer(bytearray(arr), dtype=torch.float32).view(

@@ -25,6 +25,7 @@ import ray
 from kvray.actors.index import IndexShardActor
 from kvray.actors.join import ensure_ray
 from kvray.actors.pool import BlockPoolActor
+from kvray.actors.publisher import publish_interval
 from kvray.actors.types import (
     RAY_NAMESPACE,
     NodeInfo,
@@ -166,6 +167,7 @@ class Reconciler:
             self._k,
             self._cfg.lease_timeout_s,
             self._cfg.get_timeout_s,
+            publish_interval(len(self._pools) + 1),
         )
         info = NodeInfo(slot, node_id, pool_name(self._ns, node_id), self._cfg.capacity)
         self._pools[node_id] = _PoolRecord(slot, info, handle)
@@ -238,6 +240,7 @@ def spawn_pool(
     num_index_shards: int,
     lease_timeout_s: float,
     get_timeout_s: float,
+    publish_interval_s: float,
 ) -> Any:
     """Get or create the pool of ``node_id``: detached, pinned to its node, named.
 
@@ -265,7 +268,16 @@ def spawn_pool(
         max_concurrency=16,
         max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(namespace, node_id, slot, capacity, num_index_shards, lease_timeout_s, get_timeout_s)
+    ).remote(
+        namespace,
+        node_id,
+        slot,
+        capacity,
+        num_index_shards,
+        lease_timeout_s,
+        get_timeout_s,
+        publish_interval_s,
+    )
 
 
 class _ReconcilerActor(Reconciler):

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 MAX_LOG_ENTRIES = 1_000_000
 #: Upper bound on entries in one feed answer (about 10 bytes each).
 MAX_REPLY_ENTRIES = 1_000_000
+#: Batches of one pool held while an earlier one is late, and how long one may be late.
+MAX_EARLY = 256
+MAX_GAP_S = 2.0
 
 
 @dataclass
@@ -55,6 +58,9 @@ class _Pool:
     healthy: bool = False
     resyncing: bool = False
     lag_ticks: int = 0
+    #: Batches that arrived ahead of their turn, by version, and since when one has waited.
+    early: dict[int, ShardBatch] = field(default_factory=dict)
+    early_since: float = 0.0
 
 
 class IndexShard:
@@ -77,7 +83,8 @@ class IndexShard:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._applied = 0
-        self._busy_s = 0.0  # time spent applying pool updates
+        self._busy_s = 0.0  # CPU time spent applying pool updates
+        self._resyncs = 0
         self._metrics = IndexMetrics.disabled()
 
     def start(self) -> None:
@@ -199,25 +206,40 @@ class IndexShard:
 
     # ------------------------------------------------------------------ updates from pools
     async def update(self, slot: int, incarnation: str, version: int, batch: ShardBatch) -> None:
+        """A pool's next batch. Batches may arrive out of order (Ray does not order an async
+        actor's calls): one that runs ahead waits in a small buffer for the gap to fill; a
+        gap that lasts (a lost message) or a new incarnation makes the shard resync the pool."""
         pool = self._pools.get(slot)
         if pool is None or not pool.healthy or pool.resyncing:
             return  # adopted later from the pool's inventory
-        if incarnation != pool.incarnation or version > pool.version + 1:
-            self._spawn_resync(
-                slot, "update version gap" if incarnation == pool.incarnation else "new incarnation"
-            )
+        if incarnation != pool.incarnation:
+            self._spawn_resync(slot, "new incarnation")
             return
         if version <= pool.version:
             return
+        if version > pool.version + 1:
+            now = time.monotonic()
+            pool.early[version] = batch
+            pool.early_since = pool.early_since or now
+            if len(pool.early) > MAX_EARLY or now - pool.early_since > MAX_GAP_S:
+                self._spawn_resync(slot, "update lost")
+            return
+        self._apply(pool, version, batch)
+        while pool.version + 1 in pool.early:  # the gap is filled: catch up in order
+            self._apply(pool, pool.version + 1, pool.early.pop(pool.version + 1))
+        pool.early_since = time.monotonic() if pool.early else 0.0
+
+    def _apply(self, pool: _Pool, version: int, batch: ShardBatch) -> None:
         pool.version = version
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
+        slot = pool.info.slot
         h = self._holders
         h.seq, h.reuse_floor = self._seq + 1, self._log_floor
         d1 = h.remove(slot, batch.rm_ids, batch.rm_shards)
         d2 = h.add(slot, batch.add_ids, batch.add_shards, batch.add_nshards, batch.add_unique)
         self._applied += len(batch)
         self._record(Diff(np.concatenate((d1.ids, d2.ids)), np.concatenate((d1.locs, d2.locs))))
-        self._busy_s += time.perf_counter() - t0
+        self._busy_s += time.thread_time() - t0
 
     def _spawn_resync(self, slot: int, why: str) -> None:
         task = asyncio.get_running_loop().create_task(self._resync(slot, why))
@@ -230,6 +252,9 @@ class IndexShard:
         if pool is None or pool.resyncing:
             return
         pool.resyncing = True
+        pool.early.clear()
+        pool.early_since = 0.0
+        self._resyncs += 1
         try:
             if pool.handle is None:
                 pool.handle = ray.get_actor(pool.info.pool_name, namespace=RAY_NAMESPACE)
@@ -336,6 +361,7 @@ class IndexShard:
             "log_entries": self._log_entries,
             "applied": self._applied,
             "busy_s": self._busy_s,
+            "resyncs": self._resyncs,
             "bytes": self._nbytes(),
             "rss_bytes": _rss(),
         }

@@ -34,7 +34,7 @@ import ray
 from ray import ObjectRef
 
 from kvray.actors.leases import Leases
-from kvray.actors.publisher import IndexPublisher
+from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
 from kvray.actors.segment import SegmentMeta
 from kvray.actors.types import Inventory, LeaseReply, PutResult
 from kvray.meta.ids import index_shard_of, shard_ids
@@ -88,6 +88,7 @@ class BlockPool:
         num_index_shards: int = 1,
         lease_timeout_s: float = 60.0,
         get_timeout_s: float = 30.0,
+        publish_interval_s: float = PUBLISH_INTERVAL_S,
     ) -> None:
         self._namespace = namespace
         self._node_id = node_id
@@ -96,6 +97,7 @@ class BlockPool:
         self._num_shards = int(num_index_shards)
         self._lease_timeout_s = lease_timeout_s
         self._get_timeout_s = get_timeout_s
+        self._publish_interval_s = publish_interval_s
         self._incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._table = IdTable({"seg": np.uint32, "pos": np.uint32})
@@ -115,7 +117,7 @@ class BlockPool:
         # Ray drops a gauge from the Prometheus endpoint ~20 s after its last set; an idle
         # pool must keep reporting its bytes and capacity.
         threading.Thread(target=self._refresh_gauges, name="kvray-gauges", daemon=True).start()
-        self._pub.start()
+        self._pub.start(self._publish_interval_s)
         logger.info(
             "kvray pool %s slot %d on node %s: capacity %d bytes",
             self._namespace,

@@ -25,8 +25,20 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["IndexPublisher"]
 
-#: How often buffered changes go out (the visibility delay a put adds, at most).
+#: How often buffered changes go out (the visibility delay a put adds, at most) on a small
+#: cluster; see :func:`publish_interval`.
 PUBLISH_INTERVAL_S = 0.02
+#: Messages a second one index shard should get from all pools together: a Python actor
+#: spends a few hundred microseconds on each (Ray's call overhead, mostly), whatever its size.
+SHARD_MESSAGES_PER_S = 500
+
+
+def publish_interval(num_pools: int) -> float:
+    """The flush interval that keeps an index shard near ``SHARD_MESSAGES_PER_S``: 20 ms up to
+    10 nodes, 128 ms at 64 (every pool sends each shard at most one message per interval)."""
+    return max(PUBLISH_INTERVAL_S, num_pools / SHARD_MESSAGES_PER_S)
+
+
 #: A buffer of this many entries is sent at once.
 MAX_BUFFERED = 1 << 17
 #: Index shard handles are looked up again every this many intervals (about 5 s).
