@@ -9,7 +9,13 @@ from kvray.actors.deploy import start, stop
 from kvray.actors.types import PutResult
 from kvray.client import Store, connect
 from kvray.config import ConfigError, KVRayConfig
-from kvray.errors import BlockLostError, KVRayError, NotStartedError, StoreUnavailableError
+from kvray.errors import (
+    BlockLostError,
+    InvalidArgumentError,
+    KVRayError,
+    NotStartedError,
+    StoreUnavailableError,
+)
 from kvray.keys import LayoutFingerprint, make_keys
 
 __version__ = "0.1.0"
@@ -17,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockLostError",
     "ConfigError",
+    "InvalidArgumentError",
     "KVRayConfig",
     "KVRayError",
     "LayoutFingerprint",

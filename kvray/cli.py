@@ -74,7 +74,7 @@ def start(
 ) -> None:
     """Deploy kvray on a running Ray cluster (idempotent): an index and a pool per node."""
     import kvray
-    from kvray.actors.deploy import ensure_ray
+    from kvray.actors.join import ensure_ray
 
     cfg = _config(namespace, address, capacity=capacity)
     _run(ensure_ray, cfg.address)
@@ -89,7 +89,7 @@ def start(
 def stop(address: Address = None, namespace: Namespace = "default") -> None:
     """Remove kvray (and the blocks it holds) from the cluster."""
     import kvray
-    from kvray.actors.deploy import ensure_ray
+    from kvray.actors.join import ensure_ray
 
     _run(ensure_ray, address)
     removed = _run(kvray.stop, namespace)
@@ -104,7 +104,7 @@ def status(
 ) -> None:
     """Per-node blocks, bytes, hit rate, evictions, refused puts and lost blocks."""
     import kvray
-    from kvray.actors.deploy import ensure_ray
+    from kvray.actors.join import ensure_ray
 
     cfg = _config(namespace, address)
     _run(ensure_ray, cfg.address)
@@ -190,7 +190,7 @@ def serve(
     ] = None,
 ) -> None:
     """One vLLM engine per node with kvray, prefix-aware routing, OpenAI-style HTTP."""
-    from kvray.actors.deploy import ensure_ray
+    from kvray.actors.join import ensure_ray
     from kvray.serve import run_http, start_serving
 
     cfg = _config(namespace, address, capacity=capacity)

@@ -126,8 +126,13 @@ class KVRayConfig:
     put_timeout_s: float = 60.0
     #: How long a reader may keep a block leased (protected from eviction) before it expires.
     lease_timeout_s: float = 60.0
-    #: How often the index checks that every pool is alive and that every alive node has one.
+    #: How often the reconciler checks that every pool is alive and every alive node has one.
     health_check_interval_s: float = 1.0
+    #: Index shards (actors that each own a range of block ids); 0: one per 16 nodes at start.
+    index_shards: int = 0
+    #: Connector: longest a load may hold up a step; blocks not loaded by then are reported
+    #: failed and recomputed (a load never stalls the forward pass for ``get_timeout_s``).
+    load_timeout_s: float = 0.5
     #: Connector: ``sync`` loads hits inside ``start_load_kv``; ``layerwise`` (CPU caches)
     #: starts them there and copies one layer at a time while the forward pass runs, which
     #: waits per layer in ``wait_for_layer_load``; ``async`` loads them in the background and
@@ -167,11 +172,18 @@ class KVRayConfig:
                 self.max_inflight_put_bytes,
                 f"must be at least segment_bytes ({self.segment_bytes})",
             )
+        if (
+            isinstance(self.index_shards, bool)
+            or not isinstance(self.index_shards, int)
+            or not 0 <= self.index_shards <= 64
+        ):
+            raise ConfigError("index_shards", self.index_shards, "expected 0 (auto) to 64")
         for name in (
             "get_timeout_s",
             "put_timeout_s",
             "lease_timeout_s",
             "health_check_interval_s",
+            "load_timeout_s",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
@@ -229,4 +241,9 @@ def _coerce(cls: type[KVRayConfig], name: str, value: Any) -> Any:
             return float(value)
         except ValueError:
             raise ConfigError(name, value, "expected a number of seconds") from None
+    if isinstance(default, int) and name not in _SIZE_FIELDS:
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(name, value, "expected an integer") from None
     return value

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["BlockLostError", "KVRayError", "NotStartedError", "StoreUnavailableError"]
+__all__ = [
+    "BlockLostError",
+    "InvalidArgumentError",
+    "KVRayError",
+    "NotStartedError",
+    "StoreUnavailableError",
+]
 
 
 class KVRayError(RuntimeError):
@@ -31,3 +37,10 @@ class NotStartedError(KVRayError):
 
 class StoreUnavailableError(KVRayError):
     """A kvray actor did not answer in time or the cluster cannot be reached."""
+
+
+class InvalidArgumentError(KVRayError, ValueError, TypeError):
+    """A caller passed a bad argument to a kvray API; the message names it and the problem.
+
+    Also a ``ValueError`` and a ``TypeError``, so code written against either keeps working.
+    """

@@ -77,7 +77,7 @@ class EngineReplica:
             node_id=ray.get_runtime_context().get_node_id(),
             block_size=int(cache.block_size),
             hash_algo=str(cache.prefix_caching_hash_algo),
-            shard_prefixes=connector.key_space.shard_prefixes(),
+            shard_prefixes=[connector.key_space.prefix],
             model=self._model,
         )
 

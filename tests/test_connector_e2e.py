@@ -137,13 +137,13 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
     _settle(llm)
     worker = worker_connector_of(llm).worker
     store = worker.store
-    real_fetch = store.fetch
+    real_fetch = store.fetch_from
     rng = np.random.default_rng(0)
 
-    def different_bytes(keys: list[bytes], *, keep_checksums: bool) -> Fetched:
+    def different_bytes(*args: Any, keep_checksums: bool, **kw: Any) -> Fetched:
         """Random float32 KV in every loaded block, with checksums that match it (changed
         stored bytes) or the stored ones (corruption the checksum must catch)."""
-        real = real_fetch(keys)
+        real = real_fetch(*args, **kw)
         arrays = [
             rng.standard_normal(a.nbytes // 4).astype(np.float32).view(np.uint8)
             for a in real.arrays
@@ -152,15 +152,15 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
             dataclasses.replace(r, array=a, checksum=r.checksum if keep_checksums else checksum(a))
             for r, a in zip(real.reads, arrays, strict=True)
         ]
-        return Fetched(real.keys, real.reason, reads)
+        return Fetched(real.keys, real.reason, reads, real.shard, real.pools)
 
-    def lossy_fetch(keys: list[bytes], timeout: float | None = None) -> Fetched:
-        real = real_fetch(keys)
-        return Fetched(real.keys[:2], "evicted", real.reads[:2])
+    def lossy_fetch(*args: Any, **kw: Any) -> Fetched:
+        real = real_fetch(*args, **kw)
+        return Fetched(real.keys[:2], "evicted", real.reads[:2], real.shard, real.pools)
 
     full = _full_hit(prompts[0])
     try:
-        store.fetch = lambda keys, timeout=None: different_bytes(keys, keep_checksums=False)
+        store.fetch_from = lambda *a, **k: different_bytes(*a, keep_checksums=False, **k)
         assert llm.reset_prefix_cache()
         loads_before = _loaded_blocks(llm)
         changed = generate(llm, prompts)
@@ -168,7 +168,7 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
         assert _loaded_blocks(llm) - loads_before == full // BLOCK_SIZE
         assert token_ids(changed) != reference["used"], "loaded KV did not affect the output"
 
-        store.fetch = lossy_fetch
+        store.fetch_from = lossy_fetch
         failed_before = _failed_blocks(llm)
         llm.reset_prefix_cache()
         recomputed = generate(llm, prompts)
@@ -180,7 +180,7 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
         # Last (the pool drops what fails verification): random bytes under the stored
         # checksums. Every block fails verification after it was scattered, is reported to
         # vLLM and recomputed: identical tokens.
-        store.fetch = lambda keys, timeout=None: different_bytes(keys, keep_checksums=True)
+        store.fetch_from = lambda *a, **k: different_bytes(*a, keep_checksums=True, **k)
         failed_before, loads_before = _failed_blocks(llm), _loaded_blocks(llm)
         llm.reset_prefix_cache()
         assert token_ids(generate(llm, prompts)) == reference["used"]
@@ -188,7 +188,7 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
         assert _failed_blocks(llm) > failed_before
         assert _loaded_blocks(llm) == loads_before, "a block that failed its checksum counted"
     finally:
-        store.fetch = real_fetch
+        store.fetch_from = real_fetch
 
 
 @pytest.mark.slow
@@ -232,14 +232,14 @@ def test_node_loss_between_store_and_load(
 
 def _loaded_blocks(llm: Any) -> int:
     return (
-        worker_connector_of(llm).worker._meta.counters.loaded_blocks
+        worker_connector_of(llm).worker.counters().loaded_blocks
         + connector_of(llm).scheduler.counters.loaded_blocks
     )
 
 
 def _failed_blocks(llm: Any) -> int:
     return (
-        worker_connector_of(llm).worker._meta.counters.failed_blocks
+        worker_connector_of(llm).worker.counters().failed_blocks
         + connector_of(llm).scheduler.counters.failed_blocks
     )
 

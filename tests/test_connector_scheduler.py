@@ -161,10 +161,13 @@ def assert_scheduler_empty(h: Harness) -> None:
     assert h.sconn.num_pending_jobs() == 0
 
 
-def make_harness(model_dir: str, namespace: str, num_blocks: int = 64, **extra: Any) -> Harness:
+def make_harness(
+    model_dir: str, namespace: str, num_blocks: int = 64, events: bool = False, **extra: Any
+) -> Harness:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
@@ -197,6 +200,9 @@ def make_harness(model_dir: str, namespace: str, num_blocks: int = 64, **extra: 
             kv_connector_extra_config={"namespace": namespace, **extra},
         ),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if events
+        else None,
     )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     kv_cache_config = KVCacheConfig(
@@ -291,7 +297,7 @@ def test_layerwise_load_runs_ahead_of_the_forward(harness_factory: Any) -> None:
     h.add(p)
     h.settle()
     w = h.worker
-    mover = w.worker.mover
+    mover = w.worker.handler.mover
     real_scatter = mover.scatter
     gate, at_layer_1 = threading.Event(), threading.Event()
 
@@ -331,21 +337,24 @@ def test_layerwise_load_runs_ahead_of_the_forward(harness_factory: Any) -> None:
 def test_every_rank_reports_every_load_job(harness_factory: Any) -> None:
     """A load job completes when every rank reported it: a rank that loaded nothing (or any
     rank but 0) must report too, or the scheduler would track the job forever."""
-    from kvray.connector.metadata import LoadSpec
+    from kvray.connector.metadata import KVRayConnectorMetadata, LoadSpec
 
     h = harness_factory()
     w = h.worker.worker
-    spec = LoadSpec(req_id="x", block_ids=[3, 4], block_hashes=[b"\x00" * 32, b"\x01" * 32])
+    spec = LoadSpec(
+        req_id="x", block_ids=[3, 4], block_hashes=[b"\x00" * 32, b"\x01" * 32], locs=[1, 0]
+    )
+    handler = w.handler
     try:
         for rank in (0, 1):
-            w.tp_rank = rank
-            assert not w._load(77, spec)  # never stored: nothing loads
+            handler.tp_rank = rank
+            w.start_load_kv(KVRayConnectorMetadata(loads={77: spec}, pools={}))
             meta = w.build_connector_worker_meta()
             assert meta is not None
             assert meta.completed_jobs == {77: 1} and meta.failed_jobs == {77: 1}
             assert w.get_block_ids_with_load_errors() == {3, 4}
     finally:
-        w.tp_rank = 0
+        handler.tp_rank = 0
 
 
 def test_full_prompt_hit_leaves_one_token(harness_factory: Any) -> None:
@@ -377,7 +386,8 @@ def test_preemption_during_save_keeps_stored_bytes(harness_factory: Any) -> None
     import kvray
 
     store = h.sconn.store
-    keys = [h.worker.worker.prefix + bytes(x) for x in r1.block_hashes[:5]]
+    keys = h.sconn.key_space.block_keys(r1.block_hashes[:5])
+    store.sync()  # the saves' index updates reach this view
     got = store.get(keys)
     for i, arr in enumerate(got):
         block = torch.frombuffer(bytearray(arr), dtype=torch.float32).view(
@@ -397,13 +407,13 @@ def test_abort_during_async_load(harness_factory: Any) -> None:
     h.settle()
     gate = threading.Event()
     store = h.worker.worker.store
-    real_fetch = store.fetch
+    real_fetch = store.fetch_from
 
-    def slow_fetch(keys: list[bytes], timeout: float | None = None) -> Any:
+    def slow_fetch(*args: Any, **kw: Any) -> Any:
         gate.wait(30)
-        return real_fetch(keys, timeout=timeout)
+        return real_fetch(*args, **kw)
 
-    store.fetch = slow_fetch
+    store.fetch_from = slow_fetch
     try:
         from vllm.v1.request import RequestStatus
 
@@ -417,7 +427,7 @@ def test_abort_during_async_load(harness_factory: Any) -> None:
         gate.set()
         h.run()
     finally:
-        store.fetch = real_fetch
+        store.fetch_from = real_fetch
         gate.set()
     assert_scheduler_empty(h)
 
@@ -429,18 +439,18 @@ def test_load_failure_recomputes(harness_factory: Any, load_mode: str) -> None:
     h.add(p)
     h.settle()
     store = h.worker.worker.store
-    real_fetch = store.fetch
+    real_fetch = store.fetch_from
 
-    def lossy_fetch(keys: list[bytes], timeout: float | None = None) -> Fetched:
-        real = real_fetch(keys, timeout=timeout)
-        return Fetched(real.keys[:1], "evicted", real.reads[:1])
+    def lossy_fetch(*args: Any, **kw: Any) -> Fetched:
+        real = real_fetch(*args, **kw)
+        return Fetched(real.keys[:1], "evicted", real.reads[:1], real.shard, real.pools)
 
-    store.fetch = lossy_fetch
+    store.fetch_from = lossy_fetch
     try:
         req = h.add(p, max_tokens=2)
         h.run()
     finally:
-        store.fetch = real_fetch
+        store.fetch_from = real_fetch
     assert req.is_finished()
     assert h.sconn.counters.failed_blocks == 3
     # async: vLLM frees the request's blocks and looks up again: block 0 may load twice.
@@ -453,10 +463,11 @@ def test_load_failure_recomputes(harness_factory: Any, load_mode: str) -> None:
 
 def test_decode_blocks_stored_at_finish_and_events(harness_factory: Any) -> None:
     """Blocks filled by decoding are stored too (the last one after the request finished,
-    with its blocks kept until every rank reported the save), and announced as KV events."""
-    from vllm.distributed.kv_events import BlockStored
+    with its blocks kept until every rank reported the save), and announced as KV events
+    once the change feed shows them; their removal from kvray is announced from the feed."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    h = harness_factory()
+    h = harness_factory(events=True)
     p = prompt(2 * BLOCK_SIZE - 2, seed=7)
     req = h.add(p, max_tokens=4)  # 62 + 4 tokens: block 1 fills while decoding
     events: list[Any] = []
@@ -470,11 +481,39 @@ def test_decode_blocks_stored_at_finish_and_events(harness_factory: Any) -> None
     h.scheduler.connector.take_events = recording_take
     h.run()
     assert_scheduler_empty(h)
-    stored = [e for e in events if isinstance(e, BlockStored)]
-    assert sum(len(e.block_hashes) for e in stored) == 2
-    assert all(e.medium == "CPU" and e.block_size == BLOCK_SIZE for e in stored)
     h.sconn.store.sync()
-    assert h.sconn._present_blocks([bytes(x) for x in req.block_hashes]) == 2
+    recording_take()
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    hashes = [bytes(x) for x in req.block_hashes]
+    external = [maybe_convert_block_hash(h) for h in hashes]  # type: ignore[arg-type]
+    assert [b for e in stored for b in e.block_hashes] == external[:2]
+    assert all(e.medium == "CPU" and e.block_size == BLOCK_SIZE for e in stored)
+    assert h.sconn._present_blocks(hashes) == 2
+    # The pool drops block 1 (as after a checksum failure): the feed carries the removal.
+    import ray
+
+    from kvray.actors.types import RAY_NAMESPACE, pool_name
+
+    key = h.sconn.key_space.block_keys(hashes[1:2])
+    me = ray.get_runtime_context().get_node_id()
+    pool = ray.get_actor(pool_name(h.sconn.config.namespace, me), namespace=RAY_NAMESPACE)
+    assert ray.get(pool.report_lost.remote(key, h.sconn.key_space.block_ids(hashes[1:2]), 0)) == 1
+    h.sconn.store.sync()
+    recording_take()
+    removed = [b for e in events if isinstance(e, BlockRemoved) for b in e.block_hashes]
+    assert removed == external[1:2]
+    assert h.sconn.manager.sizes()["announced"] == 1
+
+
+def test_no_kv_events_unless_configured(harness_factory: Any) -> None:
+    h = harness_factory()
+    h.add(prompt(2 * BLOCK_SIZE + 1, seed=8))
+    h.run()
+    assert h.sconn.counters.stored_blocks == 2
+    assert list(h.scheduler.connector.take_events()) == []
+    assert h.sconn.manager.view.listener is None
 
 
 def test_bad_extra_config_is_one_clear_error(model_dir: str, kvray_ns: str) -> None:

@@ -436,6 +436,7 @@ def test_kvray_cli_on_a_ray_start_cluster_with_token_auth(
 
     stopped = _run([kvray, "stop", "--address", c.address, "--namespace", ns], env)
     assert stopped.returncode == 0, stopped.stderr
-    assert "3 actor(s) removed" in stopped.stdout, stopped.stdout  # the index and 2 pools
+    # The reconciler, one index shard and 2 pools.
+    assert "4 actor(s) removed" in stopped.stdout, stopped.stdout
     gone = _run([kvray, "status", "--address", c.address, "--namespace", ns], env)
     _assert_one_clear_error(gone, "not started")

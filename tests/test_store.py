@@ -18,6 +18,7 @@ from ray.cluster_utils import Cluster
 import kvray
 from kvray.actors.types import RAY_NAMESPACE, index_name, pool_name
 from kvray.config import ConfigError
+from kvray.meta.ids import key_ids
 
 BLOCK = 256 << 10
 
@@ -92,9 +93,11 @@ def test_prefix_lengths(kvray_ns: str) -> None:
     assert store.lookup(keys[6:7]) == 1
     assert store.lookup([]) == 0
     index = ray.get_actor(index_name(kvray_ns), namespace=RAY_NAMESPACE)
-    assert ray.get(index.match_prefix.remote(keys)) == 5
+    codes = ray.get(index.locate.remote(key_ids(keys)))
+    assert (codes[:5] > 0).all() and codes[5] == 0 and codes[6] > 0 and codes[7] == 0
     me = ray.get_runtime_context().get_node_id()
-    assert ray.get(index.locate.remote(keys[4:6])) == [[me], []]
+    (my_slot,) = [s for s, n in store.feed.view.nodes.items() if n.node_id == me]
+    assert ray.get(index.locate.remote(key_ids(keys[4:6]))).tolist() == [my_slot + 1, 0]
     # A second put of the same keys is counted as duplicates, not stored twice.
     again = store.put(keys[:5], _blocks(5)).result(timeout=30)
     assert again.stored == 0 and again.duplicate == 5
@@ -141,17 +144,18 @@ def test_leased_blocks_are_not_evicted_and_unfit_puts_are_refused(kvray_ns: str)
     pool = ray.get_actor(pool_name(kvray_ns, me), namespace=RAY_NAMESPACE)
     keys = _keys(4)
     store.put(keys, _blocks(4)).result(timeout=30)
-    lease = ray.get(pool.lease.remote(keys))
+    lease = ray.get(pool.lease.remote(keys, key_ids(keys), 0))
     assert lease.num_found == 4 and len(lease.segments) == 1
+    wanted = set(key_ids(keys).tolist())
     # Fill the pool several times over while the lease is held.
     for i in range(6):
         store.put(_keys(64, tag=f"fill{i}"), _blocks(64, seed=i)).result(timeout=60)
-    assert set(ray.get(pool.inventory.remote()).keys) >= set(keys)
+    assert set(ray.get(pool.inventory.remote()).ids.tolist()) >= wanted
     ray.get(pool.release.remote(lease.lease_id))
     for i in range(6):
         store.put(_keys(64, tag=f"fill2-{i}"), _blocks(64, seed=i)).result(timeout=60)
-    inv = set(ray.get(pool.inventory.remote()).keys)
-    assert not set(keys) & inv, "released blocks are evicted like any other"
+    inv = set(ray.get(pool.inventory.remote()).ids.tolist())
+    assert not wanted & inv, "released blocks are evicted like any other"
     # A block larger than the whole pool can never fit: refused and counted.
     before = ray.get(pool.stats.remote())["refused"]
     big = store.put(_keys(1), [np.ones(65 << 20, dtype=np.uint8)]).result(timeout=60)
@@ -187,7 +191,7 @@ def test_pool_serves_blocks_after_writer_exits(kvray_ns: str) -> None:
 def _corrupt_in_plasma(pool: Any, key: bytes) -> None:
     """Flip bytes of a stored block in the object store's shared memory, as a bad DIMM or a
     stray write would."""
-    lease = ray.get(pool.lease.remote([key]))
+    lease = ray.get(pool.lease.remote([key], key_ids([key]), 0))
     loc = lease.loc(0)
     assert loc is not None
     segment = ray.get(lease.segments[loc.seg_id])
@@ -332,7 +336,7 @@ def test_index_restart_restores_entries_from_pools(kvray_ns: str) -> None:
     _wait_for(
         lambda: ray.get(index.current.remote(), timeout=30)[0] != epoch, 60, "the index restart"
     )
-    _wait_for(lambda: ray.get(index.match_prefix.remote(keys)) == 10, 20, "the rebuild")
+    _wait_for(lambda: (ray.get(index.locate.remote(key_ids(keys))) > 0).all(), 20, "the rebuild")
     _wait_for(lambda: store.lookup(keys) == 10, 20, "the client view to resync")
     assert len(store.get(keys)) == 10
     store.close()
@@ -343,7 +347,7 @@ def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluste
     ray_cluster.wait_for_nodes()
     store = kvray.connect(kvray_ns)
     # A node that joins after start gets its pool.
-    _wait_for(lambda: len(store._view.nodes) == 4, 30, "a pool on the new node")
+    _wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
     keys = _keys(5)
     _, result = ray.get(
         _put_on_node.options(resources={"node_c": 0.01}).remote(kvray_ns, keys, 5, 5)

@@ -1,103 +1,298 @@
-"""Start and stop kvray on a connected Ray cluster.
+"""Deploying kvray: ``start`` / ``stop``, and the reconciler that keeps a pool on every node.
 
-``start`` is idempotent: the index is created once (named, detached, restartable) and it puts a
-pool on every alive node, now and whenever a node joins. ``stop`` removes the index first, so it
-cannot re-create the pools being removed.
+The reconciler (``<namespace>/control``, detached, restartable) is a small control loop: every
+``health_check_interval_s`` it lists the alive nodes, gives each a block pool (nodes that join
+later too) with a *slot* (the pool's number in location codes), pings every pool, and pushes
+what it saw (alive, incarnation, update versions) to every index shard, which purges dead pools
+and resyncs pools that restarted or lost an update. After a restart it recovers the slots from
+the pools themselves. ``start`` is idempotent; ``stop`` stops the loop, wakes the long polls
+and removes every actor of the namespace.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import os
-import socket
+import math
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from kvray.actors.index import BlockIndexActor
-from kvray.actors.types import RAY_NAMESPACE, index_name, pool_prefix
+from kvray.actors.index import IndexShardActor
+from kvray.actors.join import ensure_ray
+from kvray.actors.pool import BlockPoolActor
+from kvray.actors.publisher import publish_interval
+from kvray.actors.types import (
+    RAY_NAMESPACE,
+    NodeInfo,
+    PoolStatus,
+    control_name,
+    index_name,
+    pool_name,
+    pool_prefix,
+)
 from kvray.config import KVRayConfig
 from kvray.errors import NotStartedError, StoreUnavailableError
+from kvray.meta.holders import MAX_POOLS
 
 logger = logging.getLogger(__name__)
 
+#: A pool whose node is gone is forgotten (its slot freed) after this long.
+FORGET_DEAD_AFTER_S = 60.0
 
-def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None:
-    """Connect this process to Ray if it is not yet: ``address``, else ``RAY_ADDRESS``, else
-    ``auto`` (the cluster started on this machine by ``ray start``); ``local`` starts one.
 
-    Ray itself retries an unreachable address for minutes; a TCP probe first turns that into a
-    clear error within seconds.
-    """
-    if ray.is_initialized():
-        return
-    target = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if target != "local":
+def default_index_shards(num_nodes: int) -> int:
+    """One index shard per 16 nodes (each shard ingests >= 1M block changes a second)."""
+    return max(1, min(64, math.ceil(num_nodes / 16)))
+
+
+@dataclass
+class _PoolRecord:
+    slot: int
+    info: NodeInfo
+    handle: Any
+    alive: bool = False
+    incarnation: str = ""
+    versions: tuple[int, ...] = ()
+    dead_since: float | None = None
+
+
+class Reconciler:
+    """Pools on every alive node, their health, and the index shards' view of them."""
+
+    def __init__(self, config: dict[str, Any], num_index_shards: int) -> None:
+        self._cfg = KVRayConfig.from_dict(config)
+        self._ns = self._cfg.namespace
+        self._k = num_index_shards
+        self._pools: dict[str, _PoolRecord] = {}  # node id -> pool
+        self._index: list[Any] = []
+        self._recovered = False
+        self._stopping = False
+        self._ticks = 0
+        self._task: asyncio.Task[None] | None = None
+        self._epoch = uuid.uuid4().hex
+
+    def start(self) -> None:
+        self._index = [self._index_shard(i) for i in range(self._k)]
+        self._task = asyncio.get_event_loop().create_task(self._loop())
+
+    def _index_shard(self, i: int) -> Any:
+        """Get or create index shard ``i`` (detached, restarted by Ray if it crashes)."""
+        return IndexShardActor.options(  # type: ignore[attr-defined]
+            name=index_name(self._ns, i),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=-1,
+            max_concurrency=1000,
+        ).remote(self._cfg.to_dict(), i, self._k)
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                await self.reconcile()
+            except Exception:
+                logger.exception("kvray reconciler: tick failed")
+            await asyncio.sleep(self._cfg.health_check_interval_s)
+
+    def layout(self) -> tuple[int, dict[str, Any]]:
+        """(number of index shards, the running configuration)."""
+        return self._k, self._cfg.to_dict()
+
+    async def reconcile(self) -> int:
+        """One tick; returns the number of pools that answered."""
+        self._ticks += 1
+        timeout = max(2.0, 3 * self._cfg.health_check_interval_s)
         try:
-            from ray._private.services import canonicalize_bootstrap_address_or_die
+            nodes = await asyncio.wait_for(
+                asyncio.to_thread(ray.nodes), timeout=self._cfg.get_timeout_s
+            )
+        except Exception as e:  # the GCS is slow or restarting: check pools, add none
+            logger.warning("kvray reconciler: listing the nodes failed (%s)", type(e).__name__)
+            nodes = [
+                {"NodeID": nid, "Alive": r.dead_since is None} for nid, r in self._pools.items()
+            ]
+        alive = {n["NodeID"]: n for n in nodes if n.get("Alive", False)}
+        if not self._recovered:
+            await self._recover(timeout)
+        now = time.monotonic()
+        for node_id, rec in list(self._pools.items()):
+            if node_id not in alive:
+                rec.alive = False
+                rec.dead_since = rec.dead_since or now
+                if now - rec.dead_since > FORGET_DEAD_AFTER_S:
+                    del self._pools[node_id]
+        for node_id in alive:
+            if node_id not in self._pools and not self._stopping:
+                self._add_pool(node_id, alive[node_id])
+        await self._ping([r for nid, r in self._pools.items() if nid in alive], timeout)
+        statuses = {
+            r.slot: PoolStatus(r.info, r.alive, r.incarnation, r.versions)
+            for r in self._pools.values()
+        }
+        pushes = [shard.set_pools.remote(statuses) for shard in self._index]
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*pushes, return_exceptions=True), timeout
+            )
+        except Exception:  # a restarting shard catches up next tick
+            results = []
+        for i, r in enumerate(results):
+            if isinstance(r, ray.exceptions.ActorDiedError) and not self._stopping:
+                logger.warning("kvray reconciler: index shard %d is gone; starting it again", i)
+                self._index[i] = self._index_shard(i)
+        return sum(1 for r in self._pools.values() if r.alive)
 
-            resolved = canonicalize_bootstrap_address_or_die(target)
-        except ConnectionError as e:
-            raise StoreUnavailableError(
-                f"kvray: no Ray cluster found ({target}): {_first_line(str(e))}"
-            ) from e
-        _probe(resolved, connect_timeout_s)
+    def _add_pool(self, node_id: str, node: dict[str, Any]) -> None:
+        used = {r.slot for r in self._pools.values()}
+        slot = next((s for s in range(MAX_POOLS) if s not in used), None)
+        if slot is None:
+            logger.error(
+                "kvray reconciler: %d pools already; node %s gets none", MAX_POOLS, node_id
+            )
+            return
+        osm = int(node.get("Resources", {}).get("object_store_memory", 0))
+        handle = spawn_pool(
+            self._ns,
+            node_id,
+            slot,
+            self._cfg.capacity,
+            osm,
+            self._k,
+            self._cfg.lease_timeout_s,
+            self._cfg.get_timeout_s,
+            publish_interval(len(self._pools) + 1),
+        )
+        info = NodeInfo(slot, node_id, pool_name(self._ns, node_id), self._cfg.capacity)
+        self._pools[node_id] = _PoolRecord(slot, info, handle)
+
+    async def _recover(self, timeout: float) -> None:
+        """After a restart: find the pools that exist and the slots they were given."""
+        self._recovered = True
+        names = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        prefix = pool_prefix(self._ns)
+        for entry in names:
+            if entry.get("namespace") != RAY_NAMESPACE or not entry["name"].startswith(prefix):
+                continue
+            node_id = entry["name"][len(prefix) :]
+            try:
+                handle = ray.get_actor(entry["name"], namespace=RAY_NAMESPACE)
+                slot, incarnation, versions = await asyncio.wait_for(handle.ping.remote(), timeout)
+            except Exception:
+                continue
+            info = NodeInfo(slot, node_id, entry["name"], self._cfg.capacity)
+            self._pools[node_id] = _PoolRecord(slot, info, handle, True, incarnation, versions)
+
+    async def _ping(self, records: list[_PoolRecord], timeout: float) -> None:
+        # A new pool may take a few seconds to start; a known one must answer promptly.
+        async def one(r: _PoolRecord) -> None:
+            wait = timeout if r.alive else self._cfg.get_timeout_s
+            try:
+                slot, r.incarnation, r.versions = await asyncio.wait_for(
+                    r.handle.ping.remote(), wait
+                )
+            except Exception as e:
+                if r.alive:
+                    logger.warning("kvray reconciler: pool %d not answering (%s)", r.slot, e)
+                r.alive = False
+                return
+            if slot != r.slot:  # an existing pool kept the slot it was created with
+                r.slot = slot
+                r.info = NodeInfo(slot, r.info.node_id, r.info.pool_name, r.info.capacity)
+            r.alive, r.dead_since = True, None
+
+        await asyncio.gather(*(one(r) for r in records))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "epoch": self._epoch,
+            "ticks": self._ticks,
+            "index_shards": self._k,
+            "pools": {r.slot: (r.info.node_id, r.alive) for r in self._pools.values()},
+        }
+
+    async def shutdown(self) -> list[str]:
+        """Stop the loop and every index shard's long polls; returns the actor names."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(*(s.shutdown.remote() for s in self._index)), timeout=10
+            )
+        return [index_name(self._ns, i) for i in range(self._k)] + [
+            r.info.pool_name for r in self._pools.values()
+        ]
+
+
+def spawn_pool(
+    namespace: str,
+    node_id: str,
+    slot: int,
+    capacity: int,
+    object_store_bytes: int | None,
+    num_index_shards: int,
+    lease_timeout_s: float,
+    get_timeout_s: float,
+    publish_interval_s: float,
+) -> Any:
+    """Get or create the pool of ``node_id``: detached, pinned to its node, named.
+
+    The capacity is clamped to 80% of the node's object store so the pool never makes Ray
+    spill or refuse objects of other users.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if object_store_bytes:
+        limit = int(object_store_bytes * 0.8)
+        if capacity > limit:
+            logger.warning(
+                "kvray: capacity %d exceeds 80%% of node %s's object store; using %d",
+                capacity,
+                node_id[:8],
+                limit,
+            )
+            capacity = limit
+    return BlockPoolActor.options(  # type: ignore[attr-defined]
+        name=pool_name(namespace, node_id),
+        namespace=RAY_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=16,
+        max_restarts=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(
+        namespace,
+        node_id,
+        slot,
+        capacity,
+        num_index_shards,
+        lease_timeout_s,
+        get_timeout_s,
+        publish_interval_s,
+    )
+
+
+class _ReconcilerActor(Reconciler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start()
+
+
+ReconcilerActor = ray.remote(_ReconcilerActor)
+
+
+def get_control(namespace: str) -> Any:
+    """The reconciler of a namespace, or :class:`NotStartedError`."""
     try:
-        ray.init(address=target, namespace=RAY_NAMESPACE, log_to_driver=False)
-    except (ConnectionError, ray.exceptions.AuthenticationError) as e:
-        chain = _error_chain(e)
-        if (
-            "InvalidAuthToken" in chain
-            or "Unauthenticated" in chain
-            or isinstance(e, ray.exceptions.AuthenticationError)
-        ):
-            raise StoreUnavailableError(
-                f"kvray: the Ray cluster at {target} requires a valid auth token: set "
-                "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) to the cluster's "
-                "token (`ray get-auth-token` on the head) and RAY_AUTH_MODE=token"
-            ) from e
-        raise StoreUnavailableError(
-            f"kvray: cannot join the Ray cluster at {target}: {_first_line(str(e))}"
-        ) from e
-
-
-def _error_chain(e: BaseException) -> str:
-    parts = []
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        parts.append(f"{type(cur).__name__}: {cur}")
-        cur = cur.__cause__ or cur.__context__
-    return " | ".join(parts)
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _probe(address: str, timeout: float) -> None:
-    """Fail fast when nothing listens at ``host:port``."""
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        return
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
-    except OSError as e:
-        raise StoreUnavailableError(
-            f"kvray: no Ray cluster answers at {hostport} ({e.strerror or e}); "
-            "start one with `ray start --head` or pass the right --address"
-        ) from e
-
-
-def get_index(namespace: str) -> Any:
-    """The index actor of a namespace, or :class:`NotStartedError`."""
-    try:
-        return ray.get_actor(index_name(namespace), namespace=RAY_NAMESPACE)
+        return ray.get_actor(control_name(namespace), namespace=RAY_NAMESPACE)
     except ValueError:
         raise NotStartedError(
             f"kvray is not started in namespace {namespace!r} on this cluster "
@@ -106,38 +301,39 @@ def get_index(namespace: str) -> Any:
 
 
 def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
-    """Deploy kvray (index + one pool per alive node) on the connected cluster.
+    """Deploy kvray (reconciler, index shards, one pool per alive node) on the cluster.
 
-    Calling it again is harmless: an existing index is reused as it is (a different capacity
-    is reported, not applied: stop first to change it). Returns the index's stats.
+    Calling it again is harmless: a running namespace is kept as it is (a different capacity
+    is reported, not applied: stop first to change it). Returns the reconciler's stats.
     """
-    cfg = config or KVRayConfig()
-    if fields:
-        cfg = cfg.replace(**fields)
+    base = config.to_dict() if config is not None else {}
+    cfg = KVRayConfig.from_dict({**base, **fields}) if fields else config or KVRayConfig()
     ensure_ray(cfg.address)
-    index = BlockIndexActor.options(  # type: ignore[attr-defined]
-        name=index_name(cfg.namespace),
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    shards = cfg.index_shards or default_index_shards(alive)
+    control = ReconcilerActor.options(  # type: ignore[attr-defined]
+        name=control_name(cfg.namespace),
         namespace=RAY_NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         num_cpus=0,
         max_restarts=-1,
         max_task_retries=-1,
-        max_concurrency=1000,
-    ).remote(cfg.to_dict())
-    deadline = time.monotonic() + max(cfg.get_timeout_s, 60.0)
+        max_concurrency=100,
+    ).remote(cfg.to_dict(), shards)
+    wait = max(cfg.get_timeout_s, 60.0)
+    deadline = time.monotonic() + wait
     try:
-        pools = ray.get(index.ensure_pools.remote(), timeout=max(cfg.get_timeout_s, 60.0))
-        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+        k, running = ray.get(control.layout.remote(), timeout=wait)
+        pools = ray.get(control.reconcile.remote(), timeout=wait)
         while pools < alive and time.monotonic() < deadline:
             time.sleep(0.2)
-            pools = ray.get(index.ensure_pools.remote(), timeout=cfg.get_timeout_s)
-        stats: dict[str, Any] = ray.get(index.stats.remote(), timeout=cfg.get_timeout_s)
+            pools = ray.get(control.reconcile.remote(), timeout=wait)
+        stats: dict[str, Any] = ray.get(control.stats.remote(), timeout=cfg.get_timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise StoreUnavailableError(
-            f"kvray: the index in namespace {cfg.namespace!r} did not come up in time"
+            f"kvray: the reconciler in namespace {cfg.namespace!r} did not come up in time"
         ) from e
-    running = stats["config"]
     if running["capacity"] != cfg.capacity:
         logger.warning(
             "kvray already runs in namespace %r with capacity %d (asked %d); kept as it is",
@@ -145,34 +341,38 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
             running["capacity"],
             cfg.capacity,
         )
-    logger.info("kvray started in namespace %r: %d pool(s)", cfg.namespace, stats["pools"])
+    stats["pools"] = pools
+    stats["index_shards"] = k
+    logger.info(
+        "kvray started in namespace %r: %d pool(s), %d index shard(s)", cfg.namespace, pools, k
+    )
     return stats
 
 
 def stop(namespace: str = "default") -> int:
     """Remove kvray's actors (and so its blocks) from the cluster. Returns actors removed."""
     ensure_ray(None)
-    removed = 0
+    names: list[str] = []
     try:
-        index = get_index(namespace)
+        control = get_control(namespace)
     except NotStartedError:
-        index = None
-    if index is not None:
+        control = None
+    if control is not None:
         try:
-            ray.get(index.shutdown.remote(), timeout=10)
+            names = ray.get(control.shutdown.remote(), timeout=15)
             # Waiting long polls return "stopped" at once; give them a moment to get out so
             # Ray does not retry them against a dead actor.
             time.sleep(0.2)
         except Exception:
-            logger.warning("kvray stop: index did not answer; killing it anyway")
-        ray.kill(index, no_restart=True)
-        removed += 1
+            logger.warning("kvray stop: the reconciler did not answer; removing actors anyway")
+        ray.kill(control, no_restart=True)
+    removed = 1 if control is not None else 0
+    prefixes = (f"{namespace}/index/", pool_prefix(namespace))
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor.get("namespace") == RAY_NAMESPACE and actor["name"].startswith(
-            pool_prefix(namespace)
-        ):
+        name = actor["name"]
+        if actor.get("namespace") == RAY_NAMESPACE and (name in names or name.startswith(prefixes)):
             try:
-                ray.kill(ray.get_actor(actor["name"], namespace=RAY_NAMESPACE), no_restart=True)
+                ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
                 removed += 1
             except ValueError:
                 pass

@@ -1,11 +1,14 @@
-"""The global index: which node holds which block, for the whole cluster.
+"""An index shard: which pools hold the blocks of one range of ids, and a change feed of it.
 
-It is an async actor so that many clients can long-poll its change feed without tying up
-threads. Pools tell it what they store and evict in versioned batches; a gap in a pool's
-versions, a new pool incarnation, or a pool that stops answering makes the index drop that node's
-entries and, once the pool answers again, rebuild them from the pool's inventory. The index holds
-nothing that the pools do not, so a restarted index (``max_restarts``) rebuilds itself fully.
-It also deploys pools: every health tick gives each alive node a pool (nodes that join later).
+``index_shards`` shards split the id space (:func:`kvray.meta.ids.index_shard_of`); each pool
+sends each shard its part of every change as a versioned :class:`ShardBatch` (fire-and-forget,
+one stream per pool and shard). A shard applies batches to a :class:`HolderTable` (numpy, one
+entry per block), appends the blocks whose location code changed to a bounded change log, and
+answers long polls with numpy arrays. A version gap or a new pool incarnation makes it rebuild
+that pool's entries from the pool's inventory; the reconciler (:mod:`kvray.actors.deploy`)
+tells it each tick which pools are alive and which update version each has sent, so a lost
+update or a dead pool is noticed within a tick or two. The shard holds nothing the pools do not:
+a restarted shard (``max_restarts``) rebuilds itself, and clients get a snapshot (new epoch).
 """
 
 from __future__ import annotations
@@ -14,341 +17,359 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 
-from kvray.actors.pool import spawn_pool
-from kvray.actors.types import Changes, Inventory, NodeInfo, pool_name
+from kvray.actors.types import (
+    RAY_NAMESPACE,
+    Changes,
+    Inventory,
+    NodeInfo,
+    PoolStatus,
+    ShardBatch,
+)
 from kvray.config import KVRayConfig
+from kvray.meta.holders import PLACEMENT_BASE, Diff, HolderTable
 from kvray.metrics import IndexMetrics
 
 logger = logging.getLogger(__name__)
 
-#: Upper bound on keys kept in the change log; clients further behind get a snapshot.
-MAX_LOG_KEYS = 2_000_000
-#: Upper bound on keys in one feed answer.
-MAX_REPLY_KEYS = 500_000
+#: Upper bound on entries kept in the change log; clients further behind get a snapshot.
+MAX_LOG_ENTRIES = 1_000_000
+#: Upper bound on entries in one feed answer (about 10 bytes each).
+MAX_REPLY_ENTRIES = 1_000_000
+#: Batches of one pool held while an earlier one is late, and how long one may be late.
+MAX_EARLY = 256
+MAX_GAP_S = 2.0
 
 
 @dataclass
-class _Node:
-    slot: int
+class _Pool:
     info: NodeInfo
-    handle: Any
+    handle: Any = None
     incarnation: str = ""
     version: int = 0
-    keys: set[bytes] = field(default_factory=set)
     healthy: bool = False
     resyncing: bool = False
     lag_ticks: int = 0
+    #: Batches that arrived ahead of their turn, by version, and since when one has waited.
+    early: dict[int, ShardBatch] = field(default_factory=dict)
+    early_since: float = 0.0
 
 
-class BlockIndex:
-    """Key -> holder nodes, prefix matching, change feed, pool deployment and health."""
+class IndexShard:
+    """One shard of the global index (an async Ray actor)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], shard: int = 0, num_shards: int = 1) -> None:
         self._cfg = KVRayConfig.from_dict(config)
         self._ns = self._cfg.namespace
+        self._shard = shard
+        self._num_shards = num_shards
         self._epoch = uuid.uuid4().hex
-        self._where: dict[bytes, int | tuple[int, ...]] = {}
-        self._nodes: dict[str, _Node] = {}
-        self._by_slot: dict[int, _Node] = {}
-        self._slots = itertools.count(0)
+        self._holders = HolderTable()
+        self._pools: dict[int, _Pool] = {}
+        self._nodes_version = 0
         self._seq = 0
         self._log_floor = 0  # seq of the newest record dropped from the log
-        self._log: deque[tuple[int, list[bytes], list[bytes]]] = deque()
-        self._log_keys = 0
-        self._changed = asyncio.Event()
-        self._metrics = IndexMetrics(self._ns)
-        self._ticks = 0
+        self._log: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._log_entries = 0
+        self._changed: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
-        self._task = asyncio.get_event_loop().create_task(self._health_loop())
-        logger.info("kvray index %s started (epoch %s)", self._ns, self._epoch[:8])
+        self._applied = 0
+        self._busy_s = 0.0  # CPU time spent applying pool updates
+        self._resyncs = 0
+        self._metrics = IndexMetrics.disabled()
+
+    def start(self) -> None:
+        self._metrics = IndexMetrics(self._ns, self._shard)
+        logger.info(
+            "kvray index shard %s/%d started (epoch %s)", self._ns, self._shard, self._epoch[:8]
+        )
 
     # ------------------------------------------------------------------ feed
-    def _record(self, slot: int, added: list[bytes], removed: list[bytes]) -> None:
-        if not added and not removed:
-            return
-        self._seq += 1
-        self._log.append((slot, added, removed))
-        self._log_keys += len(added) + len(removed)
-        while self._log_keys > MAX_LOG_KEYS and len(self._log) > 1:
-            _, a, r = self._log.popleft()
-            self._log_keys -= len(a) + len(r)
-            self._log_floor += 1
-        self._notify()
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
     def _notify(self) -> None:
         """Wake every long poll and barrier waiting for a change."""
-        self._changed.set()
+        self._event().set()
         self._changed = asyncio.Event()
 
-    def _node_table(self) -> dict[int, NodeInfo]:
-        return {slot: n.info for slot, n in self._by_slot.items() if n.healthy}
+    def _record(self, diff: Diff) -> None:
+        if not len(diff):
+            return
+        self._seq += 1
+        self._log.append((diff.ids, diff.locs))
+        self._log_entries += len(diff)
+        while self._log_entries > MAX_LOG_ENTRIES and len(self._log) > 1:
+            ids, _ = self._log.popleft()
+            self._log_entries -= int(ids.size)
+            self._log_floor += 1
+        self._notify()
+
+    def _nodes(self) -> dict[int, NodeInfo]:
+        return {slot: p.info for slot, p in self._pools.items() if p.healthy}
+
+    def _reply(self, ids: np.ndarray, locs: np.ndarray, seq: int, snapshot: bool) -> Changes:
+        tuples = self._holders.placements.tuples
+        codes = np.unique(locs[locs >= PLACEMENT_BASE]).tolist() if locs.size else []
+        return Changes(
+            shard=self._shard,
+            epoch=self._epoch,
+            seq=seq,
+            ids=ids,
+            locs=locs,
+            placements={c: tuples[c] for c in codes if c in tuples},
+            nodes=self._nodes(),
+            nodes_version=self._nodes_version,
+            snapshot=snapshot,
+        )
+
+    def _stopped(self) -> Changes:
+        empty = np.zeros(0, dtype=np.uint64)
+        return Changes(
+            shard=self._shard,
+            epoch=self._epoch,
+            seq=self._seq,
+            ids=empty,
+            locs=empty.astype(np.uint16),
+            stopped=True,
+        )
 
     async def changes(self, epoch: str, since: int, wait_s: float = 1.0) -> Changes:
-        """Changes after ``since``; waits up to ``wait_s`` for one (a long poll, not a spin)."""
+        """Records after ``since``; waits up to ``wait_s`` for one (a long poll, not a spin)."""
         if self._stopping:
-            return Changes(epoch=self._epoch, seq=self._seq, nodes={}, stopped=True)
+            return self._stopped()
         if epoch != self._epoch or since < self._log_floor or since > self._seq:
             return self._snapshot()
         if since == self._seq and wait_s > 0:
-            event = self._changed
+            event = self._event()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=wait_s)
             if self._stopping:
-                return Changes(epoch=self._epoch, seq=self._seq, nodes={}, stopped=True)
-            if epoch != self._epoch or since < self._log_floor:
+                return self._stopped()
+            if since < self._log_floor:
                 return self._snapshot()
-        start = since - self._log_floor
-        records: list[tuple[int, list[bytes], list[bytes]]] = []
+        ids: list[np.ndarray] = []
+        locs: list[np.ndarray] = []
         n = 0
         seq = since
-        for rec in itertools.islice(self._log, start, None):
-            records.append(rec)
+        for rec_ids, rec_locs in itertools.islice(self._log, since - self._log_floor, None):
+            ids.append(rec_ids)
+            locs.append(rec_locs)
             seq += 1
-            n += len(rec[1]) + len(rec[2])
-            if n >= MAX_REPLY_KEYS:
+            n += int(rec_ids.size)
+            if n >= MAX_REPLY_ENTRIES:
                 break
-        return Changes(epoch=self._epoch, seq=seq, nodes=self._node_table(), records=records)
+        if not ids:
+            return self._reply(_EMPTY_IDS, _EMPTY_LOCS, seq, snapshot=False)
+        return self._reply(np.concatenate(ids), np.concatenate(locs), seq, snapshot=False)
 
     def _snapshot(self) -> Changes:
-        records = [(n.slot, list(n.keys), []) for n in self._by_slot.values() if n.keys]
-        return Changes(
-            epoch=self._epoch,
-            seq=self._seq,
-            nodes=self._node_table(),
-            snapshot=True,
-            records=records,
-        )
-
-    def current(self) -> tuple[str, int]:
-        return self._epoch, self._seq
+        ids, locs = self._holders.visible()
+        return self._reply(ids, locs, self._seq, snapshot=True)
 
     async def barrier(self, timeout: float = 10.0) -> tuple[str, int]:
         """(epoch, seq) once every update a healthy pool sent before this call is applied.
 
         Pool updates are fire-and-forget, so "the index knows" lags "the pool stored" by a
-        message; tests and tools that need read-your-writes across processes wait here.
+        message; tools and tests that need read-your-writes across processes wait here.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        nodes = [n for n in self._nodes.values() if n.healthy]
+        pools = [p for p in self._pools.values() if p.healthy and p.handle is not None]
         pings = await asyncio.gather(
-            *(asyncio.wait_for(n.handle.ping.remote(), timeout) for n in nodes),
+            *(asyncio.wait_for(p.handle.ping.remote(), timeout) for p in pools),
             return_exceptions=True,
         )
-        for node, ping in zip(nodes, pings, strict=True):
+        for pool, ping in zip(pools, pings, strict=True):
             if isinstance(ping, BaseException):
                 continue
-            incarnation, version = ping
-            while node.healthy and node.incarnation == incarnation and node.version < version:
+            _, incarnation, versions = ping
+            want = versions[self._shard] if self._shard < len(versions) else 0
+            while pool.healthy and pool.incarnation == incarnation and pool.version < want:
                 left = deadline - loop.time()
                 if left <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=left)
+                    await asyncio.wait_for(self._event().wait(), timeout=left)
         return self._epoch, self._seq
 
-    # ------------------------------------------------------------------ queries
-    def match_prefix(self, keys: list[bytes]) -> int:
-        """Length of the longest prefix of ``keys`` held somewhere in the cluster."""
-        where = self._where
-        for i, k in enumerate(keys):
-            if k not in where:
-                return i
-        return len(keys)
+    # ------------------------------------------------------------------ updates from pools
+    async def update(self, slot: int, incarnation: str, version: int, batch: ShardBatch) -> None:
+        """A pool's next batch. Batches may arrive out of order (Ray does not order an async
+        actor's calls): one that runs ahead waits in a small buffer for the gap to fill; a
+        gap that lasts (a lost message) or a new incarnation makes the shard resync the pool."""
+        pool = self._pools.get(slot)
+        if pool is None or not pool.healthy or pool.resyncing:
+            return  # adopted later from the pool's inventory
+        if incarnation != pool.incarnation:
+            self._spawn_resync(slot, "new incarnation")
+            return
+        if version <= pool.version:
+            return
+        if version > pool.version + 1:
+            now = time.monotonic()
+            pool.early[version] = batch
+            pool.early_since = pool.early_since or now
+            if len(pool.early) > MAX_EARLY or now - pool.early_since > MAX_GAP_S:
+                self._spawn_resync(slot, "update lost")
+            return
+        self._apply(pool, version, batch)
+        while pool.version + 1 in pool.early:  # the gap is filled: catch up in order
+            self._apply(pool, pool.version + 1, pool.early.pop(pool.version + 1))
+        pool.early_since = time.monotonic() if pool.early else 0.0
 
-    def locate(self, keys: list[bytes]) -> list[list[str]]:
-        """Holder node ids of each key (empty list when nowhere)."""
-        out: list[list[str]] = []
-        for k in keys:
-            v = self._where.get(k)
-            slots = () if v is None else (v,) if isinstance(v, int) else v
-            out.append([self._by_slot[s].info.node_id for s in slots])
-        return out
+    def _apply(self, pool: _Pool, version: int, batch: ShardBatch) -> None:
+        pool.version = version
+        t0 = time.thread_time()
+        slot = pool.info.slot
+        h = self._holders
+        h.seq, h.reuse_floor = self._seq + 1, self._log_floor
+        d1 = h.remove(slot, batch.rm_ids, batch.rm_shards)
+        d2 = h.add(slot, batch.add_ids, batch.add_shards, batch.add_nshards, batch.add_unique)
+        self._applied += len(batch)
+        self._record(Diff(np.concatenate((d1.ids, d2.ids)), np.concatenate((d1.locs, d2.locs))))
+        self._busy_s += time.thread_time() - t0
+
+    def _spawn_resync(self, slot: int, why: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._resync(slot, why))
+        self._tasks.add(task)  # kept until done, or it could be garbage-collected mid-run
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resync(self, slot: int, why: str) -> None:
+        """Replace a pool's entries with its inventory."""
+        pool = self._pools.get(slot)
+        if pool is None or pool.resyncing:
+            return
+        pool.resyncing = True
+        pool.early.clear()
+        pool.early_since = 0.0
+        self._resyncs += 1
+        try:
+            if pool.handle is None:
+                pool.handle = ray.get_actor(pool.info.pool_name, namespace=RAY_NAMESPACE)
+            inv: Inventory = await asyncio.wait_for(
+                pool.handle.inventory.remote(self._shard, self._num_shards),
+                timeout=self._cfg.get_timeout_s,
+            )
+        except Exception as e:  # the pool is gone or hung: its blocks cannot be served
+            pool.resyncing = False
+            self._purge(pool, f"inventory failed ({why}): {type(e).__name__}")
+            return
+        pool.resyncing = False
+        if self._pools.get(slot) is not pool:
+            return  # removed meanwhile
+        h = self._holders
+        h.seq, h.reuse_floor = self._seq + 1, self._log_floor
+        self._record(h.replace(slot, inv.ids, inv.shards, inv.nshards))
+        pool.incarnation, pool.version, pool.lag_ticks = inv.incarnation, inv.version, 0
+        if not pool.healthy:
+            pool.healthy = True
+            self._nodes_version += 1
+            self._notify()
+        logger.info(
+            "kvray index %d: pool slot %d resynced (%s): %d blocks",
+            self._shard,
+            slot,
+            why,
+            inv.ids.size,
+        )
+
+    def _purge(self, pool: _Pool, why: str) -> None:
+        """Forget everything a pool holds (it died or stopped answering)."""
+        h = self._holders
+        h.seq, h.reuse_floor = self._seq + 1, self._log_floor
+        diff = h.purge(pool.info.slot)
+        self._record(diff)
+        if len(diff):
+            self._metrics.purged(len(diff))
+            logger.warning(
+                "kvray index %d: %d blocks of node %s gone (%s)",
+                self._shard,
+                len(diff),
+                pool.info.node_id[:8],
+                why,
+            )
+        if pool.healthy:
+            pool.healthy = False
+            self._nodes_version += 1
+            self._notify()
+
+    # ------------------------------------------------------------------ pools (reconciler)
+    async def set_pools(self, statuses: dict[int, PoolStatus]) -> None:
+        """The reconciler's view of every pool, once per tick."""
+        for slot in [s for s in self._pools if s not in statuses]:
+            self._purge(self._pools.pop(slot), "pool removed")
+        for slot, st in statuses.items():
+            pool = self._pools.get(slot)
+            if pool is None or pool.info != st.info:
+                if pool is not None:
+                    self._purge(pool, "pool replaced")
+                pool = self._pools[slot] = _Pool(st.info)
+            if not st.alive:
+                if pool.healthy:
+                    self._purge(pool, "pool not answering")
+                continue
+            if pool.resyncing:
+                continue
+            if not pool.healthy or st.incarnation != pool.incarnation:
+                self._spawn_resync(slot, "pool (re)started")
+                continue
+            sent = st.versions[self._shard] if self._shard < len(st.versions) else 0
+            if sent > pool.version:
+                # Updates may be in flight; two ticks without catching up means one was lost.
+                pool.lag_ticks += 1
+                if pool.lag_ticks >= 2:
+                    self._spawn_resync(slot, "updates lost")
+            else:
+                pool.lag_ticks = 0
+        self._metrics.size(len(self._holders), sum(p.healthy for p in self._pools.values()))
+        self._metrics.memory(self._nbytes(), self._log_entries)
+
+    # ------------------------------------------------------------------ queries
+    def locate(self, ids: np.ndarray) -> np.ndarray:
+        """Location code of each id (0: not visible)."""
+        return self._holders.locs(np.asarray(ids, dtype=np.uint64))
+
+    def current(self) -> tuple[str, int]:
+        return self._epoch, self._seq
+
+    def _nbytes(self) -> int:
+        log = sum(int(i.nbytes + c.nbytes) for i, c in self._log)
+        return self._holders.nbytes + log
 
     def stats(self) -> dict[str, Any]:
         return {
+            "shard": self._shard,
             "epoch": self._epoch,
             "seq": self._seq,
-            "keys": len(self._where),
-            "pools": sum(1 for n in self._nodes.values() if n.healthy),
-            "log_records": len(self._log),
-            "ticks": self._ticks,
+            "keys": len(self._holders),
+            "blocks": len(self._holders),
+            "multi_holder_blocks": len(self._holders.multi),
+            "placements": len(self._holders.placements),
+            "pools": sum(1 for p in self._pools.values() if p.healthy),
+            "log_entries": self._log_entries,
+            "applied": self._applied,
+            "busy_s": self._busy_s,
+            "resyncs": self._resyncs,
+            "bytes": self._nbytes(),
             "rss_bytes": _rss(),
-            "config": self._cfg.to_dict(),
         }
 
-    # ------------------------------------------------------------------ updates from pools
-    async def update(
-        self,
-        node_id: str,
-        incarnation: str,
-        version: int,
-        added: list[bytes],
-        removed: list[bytes],
-    ) -> None:
-        node = self._nodes.get(node_id)
-        if node is None or node.resyncing:
-            return  # the health loop adopts unknown pools and resyncs from their inventory
-        if incarnation != node.incarnation or version > node.version + 1:
-            asyncio.get_event_loop().create_task(self._resync(node))
-            return
-        if version <= node.version or not node.healthy:
-            return
-        node.version = version
-        self._apply(node, added, removed)
-
-    def _apply(self, node: _Node, added: list[bytes], removed: list[bytes]) -> None:
-        slot, where = node.slot, self._where
-        real_added: list[bytes] = []
-        for k in added:
-            if k in node.keys:
-                continue
-            node.keys.add(k)
-            real_added.append(k)
-            v = where.get(k)
-            if v is None:
-                where[k] = slot
-            elif isinstance(v, int):
-                where[k] = (v, slot)
-            else:
-                where[k] = (*v, slot)
-        real_removed: list[bytes] = []
-        for k in removed:
-            if k not in node.keys:
-                continue
-            node.keys.discard(k)
-            real_removed.append(k)
-            self._unmap(k, slot)
-        self._record(slot, real_added, real_removed)
-
-    def _unmap(self, k: bytes, slot: int) -> None:
-        v = self._where.get(k)
-        if v is None:
-            return
-        if isinstance(v, int):
-            if v == slot:
-                del self._where[k]
-            return
-        rest = tuple(s for s in v if s != slot)
-        self._where[k] = rest[0] if len(rest) == 1 else rest
-
-    def _purge(self, node: _Node, why: str) -> None:
-        """Forget everything a node holds (its pool died or stopped answering)."""
-        if node.keys:
-            gone = list(node.keys)
-            for k in gone:
-                self._unmap(k, node.slot)
-            node.keys = set()
-            self._record(node.slot, [], gone)
-            self._metrics.purged(len(gone))
-            logger.warning(
-                "kvray index: purged %d keys of node %s (%s)", len(gone), node.info.node_id[:8], why
-            )
-        if node.healthy:
-            node.healthy = False
-            self._notify()
-
-    async def _resync(self, node: _Node) -> None:
-        """Replace a node's entries with its pool's inventory."""
-        if node.resyncing:
-            return
-        node.resyncing = True
-        try:
-            inv: Inventory = await asyncio.wait_for(
-                node.handle.inventory.remote(), timeout=self._cfg.get_timeout_s
-            )
-        except Exception as e:  # the pool is gone or hung: its blocks cannot be served
-            self._purge(node, f"inventory failed: {type(e).__name__}")
-            return
-        finally:
-            node.resyncing = False
-        fresh = set(inv.keys)
-        gone = [k for k in node.keys if k not in fresh]
-        new = [k for k in inv.keys if k not in node.keys]
-        node.incarnation, node.version, node.lag_ticks = inv.incarnation, inv.version, 0
-        node.healthy = True
-        self._apply(node, new, gone)
-        self._notify()
-
-    # ------------------------------------------------------------------ health and deployment
-    async def _health_loop(self) -> None:
-        while not self._stopping:
-            try:
-                await self.ensure_pools()
-            except Exception:
-                logger.exception("kvray index: health tick failed")
-            await asyncio.sleep(self._cfg.health_check_interval_s)
-
-    async def ensure_pools(self) -> int:
-        """One health tick: a pool on every alive node, dead pools purged. Returns pool count."""
-        self._ticks += 1
-        alive = {
-            n["NodeID"]: n for n in await asyncio.to_thread(ray.nodes) if n.get("Alive", False)
-        }
-        for node_id, node in list(self._nodes.items()):
-            if node_id not in alive:
-                self._purge(node, "node is dead")
-                del self._nodes[node_id]
-        new = [nid for nid in alive if nid not in self._nodes]
-        for node_id in new:
-            osm = int(alive[node_id].get("Resources", {}).get("object_store_memory", 0))
-            handle = spawn_pool(
-                self._ns,
-                node_id,
-                self._cfg.capacity,
-                osm,
-                self._cfg.lease_timeout_s,
-                self._cfg.get_timeout_s,
-            )
-            slot = next(self._slots)
-            info = NodeInfo(node_id, pool_name(self._ns, node_id), self._cfg.capacity)
-            n = _Node(slot, info, handle)
-            self._nodes[node_id] = n
-            self._by_slot[slot] = n
-        await asyncio.gather(*(self._check(n) for n in list(self._nodes.values())))
-        pools = sum(1 for n in self._nodes.values() if n.healthy)
-        self._metrics.size(len(self._where), pools)
-        return pools
-
-    async def _check(self, node: _Node) -> None:
-        if node.resyncing:
-            return
-        # A new pool may take a few seconds to start; a known one must answer promptly.
-        timeout = (
-            self._cfg.get_timeout_s
-            if not node.healthy
-            else max(2.0, 3 * self._cfg.health_check_interval_s)
-        )
-        try:
-            incarnation, version = await asyncio.wait_for(
-                node.handle.ping.remote(), timeout=timeout
-            )
-        except Exception as e:
-            self._purge(node, f"ping failed: {type(e).__name__}")
-            return
-        if not node.healthy or incarnation != node.incarnation or version < node.version:
-            await self._resync(node)
-        elif version > node.version:
-            # Updates may be in flight; two ticks without catching up means one was lost.
-            node.lag_ticks += 1
-            if node.lag_ticks >= 2:
-                await self._resync(node)
-        else:
-            node.lag_ticks = 0
-
-    def shutdown(self) -> list[str]:
-        """Stop the health loop (before ``kvray.stop`` kills the actors); returns pool names."""
+    def shutdown(self) -> None:
+        """Answer every long poll with ``stopped`` (before ``kvray.stop`` kills the actors)."""
         self._stopping = True
-        self._task.cancel()
         self._notify()
-        return [n.info.pool_name for n in self._nodes.values()]
 
 
 def _rss() -> int:
@@ -361,4 +382,14 @@ def _rss() -> int:
         return 0
 
 
-BlockIndexActor = ray.remote(BlockIndex)
+_EMPTY_IDS = np.zeros(0, dtype=np.uint64)
+_EMPTY_LOCS = np.zeros(0, dtype=np.uint16)
+
+
+class _IndexActor(IndexShard):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start()
+
+
+IndexShardActor = ray.remote(_IndexActor)

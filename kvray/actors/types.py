@@ -1,4 +1,8 @@
-"""Small values exchanged between clients, block pools and the index."""
+"""Small values exchanged between clients, block pools, index shards and the reconciler.
+
+Everything per block travels as numpy arrays aligned with a request (ids, shard numbers, codes),
+never as per-block Python objects: a batch of a million blocks pickles as a few buffers.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,12 @@ RAY_NAMESPACE = "kvray"
 """Every kvray actor lives in this Ray namespace; a kvray namespace is a name prefix inside it."""
 
 
-def index_name(namespace: str) -> str:
-    return f"{namespace}/index"
+def control_name(namespace: str) -> str:
+    return f"{namespace}/control"
+
+
+def index_name(namespace: str, shard: int = 0) -> str:
+    return f"{namespace}/index/{shard}"
 
 
 def pool_name(namespace: str, node_id: str) -> str:
@@ -53,11 +61,9 @@ class BlockLoc:
 class LeaseReply:
     """A pool's answer to ``lease``: where each asked-for block is, and refs to read them from.
 
-    The locations are numpy arrays aligned with the keys of the request (``seg_ids[i] == 0``:
-    key ``i`` is not held), not a dict of per-key objects: a reply for a 64-block prefix then
-    pickles in microseconds instead of about half a millisecond, and it sits on every load's
-    critical path. Segments named here are protected from eviction until ``release(lease_id)``
-    or expiry.
+    Numpy arrays aligned with the keys of the request (``seg_ids[i] == 0``: key ``i`` is not
+    held, or its id matched another key); segments named here are protected from eviction
+    until released or the lease expires.
     """
 
     lease_id: int
@@ -85,37 +91,73 @@ class LeaseReply:
 
 
 @dataclass(frozen=True)
-class Inventory:
-    """Everything a pool holds, for the index to rebuild from."""
+class ShardBatch:
+    """A pool's changes for one index shard: shards of blocks it now holds / no longer holds."""
 
-    node_id: str
+    add_ids: np.ndarray  # uint64
+    add_shards: np.ndarray  # uint16
+    add_nshards: np.ndarray  # uint16
+    rm_ids: np.ndarray  # uint64
+    rm_shards: np.ndarray  # uint16
+    #: No id repeats among the additions (skips grouping them).
+    add_unique: bool = False
+
+    def __len__(self) -> int:
+        return int(self.add_ids.size + self.rm_ids.size)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Everything a pool holds of one index shard's id range, for that shard to rebuild from."""
+
+    slot: int
     incarnation: str
     version: int
-    keys: list[bytes]
+    ids: np.ndarray  # uint64
+    shards: np.ndarray  # uint16
+    nshards: np.ndarray  # uint16
 
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """One pool as the index and its clients see it."""
+    """One pool as clients see it: its slot in location codes, node, actor name, capacity."""
 
+    slot: int
     node_id: str
     pool_name: str
     capacity: int
 
 
+@dataclass(frozen=True)
+class PoolStatus:
+    """One pool as the reconciler last saw it (pushed to every index shard each tick)."""
+
+    info: NodeInfo
+    alive: bool
+    incarnation: str = ""
+    #: The pool's update version per index shard (what each shard should have applied).
+    versions: tuple[int, ...] = ()
+
+
 @dataclass(kw_only=True)
 class Changes:
-    """One answer of the index's change feed.
+    """One answer of an index shard's change feed.
 
-    ``snapshot`` is set when the client must drop its view and rebuild (first call, index
-    restart, or the client fell behind the bounded log). ``records`` are applied in order;
-    each is (node slot, keys added on it, keys removed from it).
+    ``snapshot``: the client drops what it holds of this shard and loads ``ids``/``locs``
+    (first call, index restart, or the client fell behind the bounded log). Otherwise the
+    records are applied in order (a later record of an id wins): ``locs[i] == 0`` means block
+    ``ids[i]`` is no longer visible, else it is visible at location code ``locs[i]``
+    (:mod:`kvray.meta.holders`). ``placements`` resolves every placement code in ``locs``.
     """
 
+    shard: int
     epoch: str
     seq: int
-    nodes: dict[int, NodeInfo]
+    ids: np.ndarray
+    locs: np.ndarray
+    placements: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    nodes: dict[int, NodeInfo] = field(default_factory=dict)
+    nodes_version: int = 0
     snapshot: bool = False
-    #: The index is being stopped (``kvray.stop``): clients stop polling.
+    #: The index is being stopped (``kvray.stop``): clients clear their view of it.
     stopped: bool = False
-    records: list[tuple[int, list[bytes], list[bytes]]] = field(default_factory=list)

@@ -26,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvray.config import KVRayConfig
 from kvray.connector.cluster import close_store, open_store
 from kvray.connector.keys import EngineKeySpace, build_key_space
+from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import KVRayConnectorMetadata, KVRayWorkerMetadata
 from kvray.connector.scheduler import KVRayConnectorScheduler
 from kvray.connector.worker import KVRayConnectorWorker
@@ -99,15 +100,24 @@ class KVRayConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = KVRayConfig.from_dict(extra)
         self.key_space: EngineKeySpace = build_key_space(self.config, vllm_config, kv_cache_config)
-        self.store: Any = open_store(self.config)
+        # Only the scheduler answers lookups: it alone subscribes to the index's feed.
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.store: Any = open_store(self.config, subscribe=is_scheduler)
         parallel = vllm_config.parallel_config
         self.connector_scheduler: KVRayConnectorScheduler | None = None
         self.connector_worker: KVRayConnectorWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        self.manager: KVRayCacheManager | None = None
+        if is_scheduler:
+            events = getattr(vllm_config, "kv_events_config", None)
+            self.manager = KVRayCacheManager(
+                self.key_space,
+                self.store,
+                events=bool(events is not None and events.enable_kv_cache_events),
+            )
             self.connector_scheduler = KVRayConnectorScheduler(
                 self.config,
                 self.key_space,
-                self.store,
+                self.manager,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
             )
         else:
@@ -195,6 +205,8 @@ class KVRayConnector(KVConnectorBase_V1):
             self.connector_worker.shutdown()
         if self.connector_scheduler is not None:
             self.connector_scheduler.shutdown()
+        if self.manager is not None:
+            self.manager.close()
         try:
             close_store(self.store)
         except Exception:  # shutting down anyway; the store may already be gone with Ray

@@ -38,7 +38,7 @@ def join_cluster(config: KVRayConfig) -> None:
             "kvray connector: no Ray cluster to join: set RAY_ADDRESS or the 'address' key of "
             "kv_connector_extra_config (use address='local' for a private single-node cluster)"
         )
-    from kvray.actors.deploy import ensure_ray
+    from kvray.actors.join import ensure_ray
 
     ensure_ray(address)  # probes HOST:PORT first: an unreachable cluster fails in seconds
 
@@ -50,15 +50,20 @@ _shared: dict[KVRayConfig, tuple[Any, int]] = {}
 _shared_lock = threading.Lock()
 
 
-def open_store(config: KVRayConfig, *, retries: int = 3) -> Any:
+def open_store(config: KVRayConfig, *, subscribe: bool = True, retries: int = 3) -> Any:
     """The process's store client for ``config`` (joining the cluster and starting kvray in
-    the namespace if needed); give it back with :func:`close_store`."""
+    the namespace if needed); give it back with :func:`close_store`. ``subscribe``: the store
+    keeps a view of the index (a scheduler does; a worker does not, unless it shares the
+    process with a scheduler)."""
     with _shared_lock:
         entry = _shared.get(config)
         if entry is not None and not entry[0].closed:
-            _shared[config] = (entry[0], entry[1] + 1)
-            return entry[0]
-        store = _connect(config, retries)
+            store, refs = entry
+            if subscribe:
+                store.subscribe()
+            _shared[config] = (store, refs + 1)
+            return store
+        store = _connect(config, retries, subscribe)
         _shared[config] = (store, 1)
         return store
 
@@ -76,14 +81,14 @@ def close_store(store: Any) -> None:
     store.close()
 
 
-def _connect(config: KVRayConfig, retries: int) -> Any:
+def _connect(config: KVRayConfig, retries: int, subscribe: bool) -> Any:
     import kvray
 
     join_cluster(config)
     last: Exception | None = None
     for attempt in range(retries):
         try:
-            return kvray.connect(config.namespace, config)
+            return kvray.connect(config.namespace, config, subscribe=subscribe)
         except NotStartedError as e:
             last = e
             if not config.auto_start:

@@ -1,5 +1,11 @@
 """The key namespace of one engine, derived identically in the scheduler and every worker.
 
+One key per block, not per TP shard: a block's key is the engine's prefix (a digest of
+everything that decides the bytes of a shard: model, dtype, block size, hash algorithm, layout,
+TP size...) followed by vLLM's block hash, and rank ``r`` stores its part as shard
+``shard_of(r)`` of ``num_shards`` under that key (MLA: one shard, written by rank 0, read by
+every rank). The index counts a block as present only when every shard is stored.
+
 The scheduler has no KV tensors, so the layout part of the fingerprint comes from what both
 processes share: the platform, vLLM's resolved ``kv_cache_layout``, the KV cache spec of the
 (single) attention group and the number of layers. The worker checks at
@@ -11,11 +17,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvray.config import KVRayConfig
-from kvray.keys import LayoutFingerprint
+from kvray.keys import LayoutFingerprint, block_hash_bytes
+from kvray.meta.ids import key_ids
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,7 +43,7 @@ class EngineKeySpace:
     """Per-engine facts needed to turn vLLM block hashes into kvray keys for every rank."""
 
     base: LayoutFingerprint
-    #: Ranks whose shards differ (MLA: 1, all ranks read the one shard rank 0 writes).
+    #: Shards of a block (TP size; MLA: 1, all ranks read the one shard rank 0 writes).
     num_shards: int
     block_size: int
     #: Bytes one block occupies over all layers of one rank (the layout check of workers).
@@ -41,13 +51,25 @@ class EngineKeySpace:
     num_layers: int
     #: CPU attention ISA (``vec``, ``amx``...): it changes the bytes of a CPU KV block.
     variant: str = ""
+    prefix: bytes = field(default=b"", init=False, repr=False, compare=False)
 
-    def fingerprint(self, tp_rank: int) -> LayoutFingerprint:
-        return self.base.for_rank(tp_rank % self.num_shards)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", self.base.prefix)
 
-    def shard_prefixes(self) -> list[bytes]:
-        """One key prefix per distinct shard (every one must hold a block for a hit)."""
-        return [self.base.for_rank(r).prefix for r in range(self.num_shards)]
+    def shard_of(self, tp_rank: int) -> int:
+        """The shard a rank stores and reads."""
+        return tp_rank % self.num_shards
+
+    def writes(self, tp_rank: int) -> bool:
+        """MLA: every rank holds the same latent KV; rank 0 alone writes it."""
+        return tp_rank < self.num_shards
+
+    def block_keys(self, block_hashes: Sequence[object]) -> list[bytes]:
+        prefix = self.prefix
+        return [prefix + block_hash_bytes(h) for h in block_hashes]
+
+    def block_ids(self, block_hashes: Sequence[object]) -> np.ndarray:
+        return key_ids(self.block_keys(block_hashes))
 
 
 def build_key_space(

@@ -4,8 +4,8 @@ The scheduler plans *jobs* (a load or a store of a run of whole blocks of one re
 each with an integer id. Every TP rank executes its own shard of every job and reports
 ``{job_id: 1}`` in its :class:`KVRayWorkerMetadata`; ``aggregate`` sums the reports of all
 ranks, and the scheduler treats a job as done once the sum reaches the world size. Keys travel
-as vLLM block hashes (rank-independent); each rank prefixes them with its own namespace, so the
-metadata is identical for all ranks and small.
+as vLLM block hashes (rank-independent) and loads carry where each block lives (the scheduler's
+view of the index: workers keep no view), so the metadata is identical for all ranks and small.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ class LoadSpec:
     req_id: ReqId
     block_ids: list[int]
     block_hashes: list[bytes]
+    #: Location code of each block (:mod:`kvray.meta.holders`): the pool slot holding every
+    #: shard, or a placement (``KVRayConnectorMetadata.placements``) for split blocks.
+    locs: list[int] = field(default_factory=list)
     is_async: bool = False
 
 
@@ -55,11 +58,28 @@ class KVRayConnectorMetadata(KVConnectorMetadata):
 
     loads: dict[JobId, LoadSpec] = field(default_factory=dict)
     stores: dict[JobId, StoreSpec] = field(default_factory=dict)
+    #: Pool slot -> pool actor name, for every slot the loads name.
+    pools: dict[int, str] = field(default_factory=dict)
+    #: Placement code -> pool slot of each shard, for blocks split across pools.
+    placements: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: Requests whose blocks are about to be reused (preempted): saves reading them must end.
     preempted_req_ids: set[ReqId] = field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.preempted_req_ids)
+
+    def slots(self, spec: LoadSpec, shard: int) -> list[int]:
+        """The pool slot holding shard ``shard`` of each block of a load (-1: unknown)."""
+        from kvray.meta.holders import MAX_POOLS
+
+        out = []
+        for loc in spec.locs:
+            if 0 < loc <= MAX_POOLS:
+                out.append(loc - 1)
+            else:
+                t = self.placements.get(loc)
+                out.append(t[shard] if t is not None and shard < len(t) else -1)
+        return out
 
 
 @dataclass

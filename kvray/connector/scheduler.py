@@ -1,8 +1,10 @@
 """Scheduler side of the kvray connector (runs in vLLM's EngineCore process).
 
 It decides, per engine step, which blocks each worker rank loads from kvray and which it stores,
-and never waits on Ray to do so: hit lengths come from the store client's local view of the
-index (microseconds), and completions come back through the workers' metadata.
+and never waits on Ray to do so: hit lengths and block locations come from the
+:class:`KVRayCacheManager` (the local view of the index, microseconds), and completions come back
+through the workers' metadata. Store jobs are cut to fit a worker's staging buffers, so a long
+prefill chunk is stored in pieces rather than dropped every step.
 
 Block lifetimes. Workers copy ("gather") a saved block out of the paged cache into a staging
 buffer inside ``wait_for_save`` of the step that planned the store, so once that step's output
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvray.config import KVRayConfig
 from kvray.connector.keys import EngineKeySpace
+from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,
@@ -33,7 +36,6 @@ from kvray.connector.metadata import (
     StoreSpec,
     TransferCounters,
 )
-from kvray.keys import make_keys
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -44,11 +46,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How often ``take_events`` looks for announced blocks that left kvray.
-REMOVED_SCAN_INTERVAL_S = 1.0
 #: A block that failed to load is not offered as a hit again for this long, so a block the
 #: index still lists but no pool can serve cannot make a request retry its load forever.
 FAILED_BLOCK_QUARANTINE_S = 30.0
+#: Most block hashes kept in quarantine (the oldest go first beyond it).
+MAX_QUARANTINE = 1 << 16
 
 
 @dataclass
@@ -85,17 +87,18 @@ class KVRayConnectorScheduler:
         self,
         config: KVRayConfig,
         key_space: EngineKeySpace,
-        store: Any,
+        manager: KVRayCacheManager,
         *,
         world_size: int,
         lora_enabled: bool = False,
     ) -> None:
         self.config = config
         self.key_space = key_space
-        self.store = store
+        self.manager = manager
         self.block_size = key_space.block_size
         self.world_size = world_size
-        self._prefixes = key_space.shard_prefixes()
+        #: A store job never has more blocks than a worker's staging pool holds.
+        self.max_store_blocks = max(1, config.staging_bytes // max(1, key_space.block_nbytes))
         self._load_async = config.load_mode == "async"
         self._job_ids = itertools.count(1)
         self._reqs: dict[ReqId, _RequestState] = {}
@@ -103,10 +106,8 @@ class KVRayConnectorScheduler:
         # Jobs planned since the last build_connector_meta.
         self._new_loads: dict[JobId, LoadSpec] = {}
         self._new_stores: dict[JobId, StoreSpec] = {}
-        self._events: list[KVCacheEvent] = []
-        # Hashes announced as BlockStored, checked against the local view for BlockRemoved.
-        self._announced: dict[bytes, None] = {}
-        self._last_scan = 0.0
+        self._new_pools: dict[int, str] = {}
+        self._new_placements: dict[int, tuple[int, ...]] = {}
         # Block hash -> time until which it is not offered as a hit (it failed to load).
         self._quarantine: dict[bytes, float] = {}
         # Block hashes some store job is writing: other requests sharing the prefix skip them.
@@ -130,14 +131,18 @@ class KVRayConnectorScheduler:
                         n = i
                         break
                     del self._quarantine[h]
-        for prefix in self._prefixes:
-            if n == 0:
-                break
-            n = self.store.lookup(make_keys(prefix, block_hashes[:n]))
-        return n
+        return self.manager.lookup(block_hashes[:n]) if n else 0
 
-    def _all_shards_have(self, block_hash: bytes) -> bool:
-        return all(self.store.contains(p + block_hash) for p in self._prefixes)
+    def _quarantine_blocks(self, hashes: list[bytes]) -> None:
+        until = time.monotonic() + FAILED_BLOCK_QUARANTINE_S
+        q = self._quarantine
+        if len(q) + len(hashes) > MAX_QUARANTINE:  # drop expired entries, then the oldest
+            now = time.monotonic()
+            for h in [h for h, t in q.items() if t <= now]:
+                del q[h]
+            while q and len(q) + len(hashes) > MAX_QUARANTINE:
+                del q[next(iter(q))]
+        q.update(dict.fromkeys(hashes, until))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -173,15 +178,19 @@ class KVRayConnectorScheduler:
         if num_external_tokens == 0:
             return
         bs = self.block_size
+        # Whole blocks: a block vLLM computed part of is loaded whole (the same prefix's KV).
         first = state.num_local_tokens // bs
         last = (state.num_local_tokens + num_external_tokens) // bs
-        assert state.num_local_tokens % bs == 0 and num_external_tokens % bs == 0
         hashes = [bytes(h) for h in request.block_hashes[first:last]]
+        plan = self.manager.prepare_load(hashes)
+        self._new_pools.update(plan.pools)
+        self._new_placements.update(plan.placements)
         job_id = next(self._job_ids)
         self._new_loads[job_id] = LoadSpec(
             req_id=request.request_id,
             block_ids=state.block_ids[first:last],
             block_hashes=hashes,
+            locs=plan.locs,
             is_async=self._load_async,
         )
         self._jobs[job_id] = _Job(
@@ -199,23 +208,26 @@ class KVRayConnectorScheduler:
         self.hit_tokens += num_external_tokens
 
     # ---------------------------------------------------------------- stores
-    def _plan_store(
-        self, state: _RequestState, upto_blocks: int, *, finish: bool = False
-    ) -> JobId | None:
-        """A store job for blocks [planned, upto) that kvray does not hold yet."""
+    def _plan_store(self, state: _RequestState, upto_blocks: int, *, finish: bool = False) -> bool:
+        """Store jobs (each fitting staging) for blocks [planned, upto) kvray does not hold."""
         first = state.num_planned_blocks
         if upto_blocks <= first:
-            return None
+            return False
         state.num_planned_blocks = upto_blocks
         req = state.request
-        idx = [
-            i
-            for i in range(first, upto_blocks)
-            if bytes(req.block_hashes[i]) not in self._storing
-            and not self._all_shards_have(bytes(req.block_hashes[i]))
-        ]
+        hashes = [bytes(h) for h in req.block_hashes[first:upto_blocks]]
+        present = self.manager.present(hashes)
+        idx = [first + i for i, h in enumerate(hashes) if h not in self._storing and not present[i]]
+        step = self.max_store_blocks
+        planned = False
+        for a in range(0, len(idx), step):
+            planned |= self._store_job(state, idx[a : a + step], finish) is not None
+        return planned
+
+    def _store_job(self, state: _RequestState, idx: list[int], finish: bool) -> JobId | None:
         if not idx:
             return None
+        req = state.request
         bs = self.block_size
         hashes = [bytes(req.block_hashes[i]) for i in idx]
         block_ids = [state.block_ids[i] for i in idx]
@@ -259,10 +271,14 @@ class KVRayConnectorScheduler:
         meta = KVRayConnectorMetadata(
             loads=self._new_loads,
             stores=self._new_stores,
+            pools=self._new_pools,
+            placements=self._new_placements,
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
         )
         self._new_loads = {}
         self._new_stores = {}
+        self._new_pools = {}
+        self._new_placements = {}
         return meta
 
     # ---------------------------------------------------------------- completions
@@ -304,8 +320,7 @@ class KVRayConnectorScheduler:
             bad = [i for i, b in enumerate(job.block_ids) if b in invalid]
             if not bad:
                 continue
-            until = time.monotonic() + FAILED_BLOCK_QUARANTINE_S
-            self._quarantine.update(dict.fromkeys(job.block_hashes[bad[0] :], until))
+            self._quarantine_blocks(job.block_hashes[bad[0] :])
             state = self._reqs.get(job.req_id)
             if state is not None:
                 state.num_planned_blocks = min(state.num_planned_blocks, job.first_block + bad[0])
@@ -328,52 +343,21 @@ class KVRayConnectorScheduler:
             request.num_computed_tokens // self.block_size,
             len(state.block_ids),
         )
-        job = self._plan_store(state, full, finish=True)
-        return job is not None, None
+        return self._plan_store(state, full, finish=True), None
 
     # ---------------------------------------------------------------- events
     def _emit_stored(self, job: _Job) -> None:
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-        self._announced.update(dict.fromkeys(job.block_hashes))
-        self._events.append(
-            BlockStored(
-                block_hashes=[maybe_convert_block_hash(h) for h in job.block_hashes],  # type: ignore[arg-type]
-                parent_block_hash=maybe_convert_block_hash(job.parent_hash)  # type: ignore[arg-type]
-                if job.parent_hash is not None
-                else None,
-                token_ids=job.token_ids,
-                block_size=self.block_size,
-                lora_id=None,
-                medium=MEDIUM_CPU,
-                lora_name=None,
-            )
-        )
-
-    def removed_hashes(self, block_hashes: Iterable[bytes]) -> None:
-        """Announce blocks that left kvray (evicted or lost) as ``BlockRemoved``."""
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-        hashes = [maybe_convert_block_hash(h) for h in block_hashes]  # type: ignore[arg-type]
-        if hashes:
-            self._events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU))
+        self.manager.complete_store(job.block_hashes, job.token_ids, job.parent_hash)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        now = time.monotonic()
-        if self._announced and now - self._last_scan >= REMOVED_SCAN_INTERVAL_S:
-            # Evictions and node losses reach this process through the store's local view;
-            # a scan of what we announced (dict lookups) at most once a second finds them.
-            self._last_scan = now
-            gone = [h for h in self._announced if not self._all_shards_have(h)]
-            for h in gone:
-                del self._announced[h]
-            self.removed_hashes(gone)
-        events, self._events = self._events, []
-        return events
+        return self.manager.take_events()
 
     # ---------------------------------------------------------------- introspection
+    @property
+    def store(self) -> Any:
+        """The (subscribed) store client the manager looks up in."""
+        return self.manager.store
+
     def num_pending_jobs(self) -> int:
         return len(self._jobs)
 

@@ -1,0 +1,84 @@
+"""Joining a Ray cluster from a kvray process: fail fast and clearly when it cannot be reached."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+
+from kvray.actors.types import RAY_NAMESPACE
+from kvray.errors import StoreUnavailableError
+
+__all__ = ["ensure_ray"]
+
+
+def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None:
+    """Connect this process to Ray if it is not yet: ``address``, else ``RAY_ADDRESS``, else
+    ``auto`` (the cluster started on this machine by ``ray start``); ``local`` starts one.
+
+    Ray itself retries an unreachable address for minutes; a TCP probe first turns that into a
+    clear error within seconds.
+    """
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if target != "local":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address_or_die
+
+            resolved = canonicalize_bootstrap_address_or_die(target)
+        except ConnectionError as e:
+            raise StoreUnavailableError(
+                f"kvray: no Ray cluster found ({target}): {_first_line(str(e))}"
+            ) from e
+        _probe(resolved, connect_timeout_s)
+    try:
+        ray.init(address=target, namespace=RAY_NAMESPACE, log_to_driver=False)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+        chain = _error_chain(e)
+        if (
+            "InvalidAuthToken" in chain
+            or "Unauthenticated" in chain
+            or isinstance(e, ray.exceptions.AuthenticationError)
+        ):
+            raise StoreUnavailableError(
+                f"kvray: the Ray cluster at {target} requires a valid auth token: set "
+                "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) to the cluster's "
+                "token (`ray get-auth-token` on the head) and RAY_AUTH_MODE=token"
+            ) from e
+        raise StoreUnavailableError(
+            f"kvray: cannot join the Ray cluster at {target}: {_first_line(str(e))}"
+        ) from e
+
+
+def _error_chain(e: BaseException) -> str:
+    parts = []
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        parts.append(f"{type(cur).__name__}: {cur}")
+        cur = cur.__cause__ or cur.__context__
+    return " | ".join(parts)
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _probe(address: str, timeout: float) -> None:
+    """Fail fast when nothing listens at ``host:port``."""
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise StoreUnavailableError(
+            f"kvray: no Ray cluster answers at {hostport} ({e.strerror or e}); "
+            "start one with `ray start --head` or pass the right --address"
+        ) from e

@@ -1,0 +1,92 @@
+"""Validating what callers hand to the store: keys and blocks, with errors that name the problem."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvray.errors import InvalidArgumentError
+
+__all__ = ["as_blocks", "as_bytes_view", "check_keys"]
+
+
+def check_keys(keys: object, what: str = "keys") -> list[bytes]:
+    """A list of unique, non-empty ``bytes`` keys, or :class:`InvalidArgumentError`."""
+    if keys is None or isinstance(keys, bytes | str) or not isinstance(keys, Sequence):
+        raise InvalidArgumentError(
+            f"kvray: {what} must be a sequence of bytes keys, got {type(keys).__name__}"
+        )
+    out = list(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, bytes) or not k:
+            raise InvalidArgumentError(
+                f"kvray: {what}[{i}] must be non-empty bytes, got {type(k).__name__}: {k!r:.40}"
+            )
+    if len(set(out)) != len(out):
+        raise InvalidArgumentError(f"kvray: {what} must be unique within one call")
+    return out
+
+
+def as_bytes_view(block: Any, where: str = "block") -> np.ndarray:
+    """A flat uint8 view of a numpy array or CPU torch tensor (no copy when contiguous)."""
+    if isinstance(block, np.ndarray):
+        arr = block
+    elif hasattr(block, "numpy") and hasattr(block, "device"):
+        if block.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"kvray: {where} must be a CPU array, got a tensor on {block.device}"
+            )
+        if block.layout is not _torch_strided():
+            raise InvalidArgumentError(
+                f"kvray: {where} is a {block.layout} tensor; pass a dense one"
+            )
+        t = block.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        import torch
+
+        arr = t.reshape(-1).view(torch.uint8).numpy()
+    else:
+        raise InvalidArgumentError(
+            f"kvray: {where} must be a numpy array or a torch tensor, not {type(block).__name__}"
+        )
+    if arr.dtype.hasobject:
+        raise InvalidArgumentError(f"kvray: {where} has dtype {arr.dtype}: blocks are raw bytes")
+    if arr.nbytes == 0:
+        raise InvalidArgumentError(f"kvray: {where} is empty: a block has at least one byte")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _torch_strided() -> Any:
+    import torch
+
+    return torch.strided
+
+
+def as_blocks(blocks: Any, n: int) -> np.ndarray | list[np.ndarray]:
+    """``n`` blocks as one 2D uint8 array (a 2D array or tensor: row i is block i; no copy when
+    contiguous) or a list of flat uint8 arrays; :class:`InvalidArgumentError` otherwise."""
+    if blocks is None or isinstance(blocks, bytes | str):
+        raise InvalidArgumentError(
+            f"kvray: blocks must be a sequence of arrays, got {type(blocks).__name__}"
+        )
+    is_array = isinstance(blocks, np.ndarray) or (
+        hasattr(blocks, "device") and hasattr(blocks, "numpy")
+    )
+    if is_array and blocks.ndim == 2:
+        flat = as_bytes_view(blocks, "blocks")
+        rows = flat.reshape(blocks.shape[0], -1)
+        if rows.shape[0] != n:
+            raise InvalidArgumentError(f"kvray: {n} keys but {rows.shape[0]} blocks")
+        return rows
+    if not hasattr(blocks, "__len__"):
+        raise InvalidArgumentError(
+            f"kvray: blocks must be a sequence of arrays, got {type(blocks).__name__}"
+        )
+    if len(blocks) != n:
+        raise InvalidArgumentError(f"kvray: {n} keys but {len(blocks)} blocks")
+    return [as_bytes_view(b, f"blocks[{i}]") for i, b in enumerate(blocks)]

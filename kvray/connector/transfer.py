@@ -1,0 +1,452 @@
+"""The worker side's one transfer handler (in the style of vLLM's ``OffloadingHandler``).
+
+Jobs come from the scheduler by id; every load and every store goes through one path and one
+error path whatever the load mode:
+
+- a **load** fetches its blocks from the pools the metadata names (bounded by
+  ``load_timeout_s``), scatters them into the paged cache (each block hashed by its copy thread
+  right after copying it, while its bytes are in the CPU cache), verifies the checksums and
+  records the result. ``sync`` runs it in the caller (``start_load_kv``), ``async`` on a loader
+  thread, ``layerwise`` on a thread one layer at a time while the forward pass runs. Any failure,
+  an exception included, records the job's blocks from the first bad one on as load errors:
+  vLLM recomputes them; a load never crashes the engine and never waits past its deadline.
+- a **store** gathers blocks into staging rows (in pieces that fit the staging pool) and hands
+  them to ``put``, which copies them into Ray in the background.
+
+Completions are reported as ``{job_id: 1}`` per rank in :class:`KVRayWorkerMetadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvray.blockio import checksum
+from kvray.client import Fetched
+from kvray.config import KVRayConfig
+from kvray.connector.keys import EngineKeySpace
+from kvray.connector.metadata import (
+    JobId,
+    KVRayConnectorMetadata,
+    KVRayWorkerMetadata,
+    LoadSpec,
+    ReqId,
+    StoreSpec,
+)
+from kvray.connector.paged import Mover, PagedCopier
+from kvray.kernels import StagingPool
+from kvray.meta.ids import key_ids
+
+logger = logging.getLogger(__name__)
+
+#: While async loads are in flight and none has finished, ``get_finished`` (once per engine
+#: step) waits up to this long for one: waiting on a condition releases the GIL to the loader
+#: (an idle engine loop spinning through empty steps starved it: loads took 5-20x longer).
+ASYNC_LOAD_WAIT_S = 0.005
+
+
+class TransferStore(Protocol):
+    """What the handler needs of a :class:`kvray.Store` (no view: workers keep none)."""
+
+    tally: Any
+    io: Any
+
+    def fetch_from(
+        self,
+        keys: list[bytes],
+        ids: np.ndarray,
+        shard: int,
+        slots: list[int],
+        pools: dict[int, str],
+        timeout: float,
+    ) -> Fetched: ...
+
+    def verify(self, fetched: Fetched, sums: list[int | None] | None = None) -> int: ...
+
+
+@dataclass
+class _Load:
+    job_id: JobId
+    spec: LoadSpec
+    keys: list[bytes]
+    slots: list[int]
+    pools: dict[int, str]
+    t0: float = field(default_factory=time.perf_counter)
+    fetched: Fetched | None = None
+    why: str = ""
+    done: int = 0  # leading blocks in place and verified
+
+
+class _Layers:
+    """How far a step's layer-by-layer loads are (the forward pass waits on ``cv``)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.cv = threading.Condition()
+        self.layers_done = 0
+        self.finished = False
+        self.cancelled = False
+        self.deadline = deadline
+        self.future: Future[None] | None = None
+
+
+class TransferHandler:
+    """Executes one TP rank's load and store jobs and reports them."""
+
+    def __init__(
+        self,
+        config: KVRayConfig,
+        key_space: EngineKeySpace,
+        store: TransferStore,
+        mover: Mover,
+        staging: StagingPool,
+        *,
+        tp_rank: int,
+        device: torch.device,
+        layerwise: bool,
+        layer_index: dict[str, int],
+    ) -> None:
+        self.config = config
+        self.key_space = key_space
+        self.store = store
+        self.mover = mover
+        self.staging = staging
+        self.copier = PagedCopier(mover, staging, key_space.block_nbytes, device)
+        self.tp_rank = tp_rank
+        self.shard = key_space.shard_of(tp_rank)
+        self.is_writer = key_space.writes(tp_rank)
+        self.block_nbytes = key_space.block_nbytes
+        self.device = device
+        self.layerwise = layerwise
+        self.layer_index = layer_index
+        self._lock = threading.Lock()
+        self._load_cv = threading.Condition(self._lock)  # an async load finished
+        self._async_inflight = 0
+        self._meta = KVRayWorkerMetadata()
+        self._finished_sending: set[ReqId] = set()
+        self._finished_recving: set[ReqId] = set()
+        self._failed_recving: set[ReqId] = set()
+        self._load_errors: set[int] = set()
+        self._puts: dict[JobId, list[Future[Any]]] = {}
+        self._loader: ThreadPoolExecutor | None = None
+        self._layers: _Layers | None = None
+
+    # ---------------------------------------------------------------- loads
+    def submit_loads(self, meta: KVRayConnectorMetadata) -> None:
+        """Start (sync: run) the step's loads."""
+        self.finish_layers()  # defensive: the previous step's loads are complete
+        deadline = time.monotonic() + self.config.load_timeout_s
+        layered: list[_Load] = []
+        for job_id, spec in meta.loads.items():
+            job = self._job(job_id, spec, meta)
+            if spec.is_async:
+                self._submit_async(job)
+            elif self.layerwise:
+                layered.append(job)
+            else:
+                self._run(job, deadline)
+        if layered:
+            self._layers = _Layers(deadline)
+            self._layers.future = self._executor().submit(self._run_layers, self._layers, layered)
+
+    def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> _Load:
+        return _Load(
+            job_id,
+            spec,
+            self.key_space.block_keys(spec.block_hashes),
+            meta.slots(spec, self.shard),
+            meta.pools,
+        )
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvray-load")
+        return self._loader
+
+    def _submit_async(self, job: _Load) -> None:
+        with self._lock:
+            self._async_inflight += 1
+        try:
+            self._executor().submit(self._run_async, job)
+        except Exception as e:
+            with self._lock:
+                self._async_inflight -= 1
+            self._record(job, f"could not start the load: {type(e).__name__}")
+            with self._lock:
+                self._failed_recving.add(job.spec.req_id)
+                self._finished_recving.add(job.spec.req_id)
+
+    def _run_async(self, job: _Load) -> None:
+        ok = self._run(job, time.monotonic() + self.config.load_timeout_s)
+        with self._lock:  # errors are published no later than the request's finished_recving
+            if not ok:
+                self._failed_recving.add(job.spec.req_id)
+            self._finished_recving.add(job.spec.req_id)
+            self._async_inflight -= 1
+            self._load_cv.notify_all()
+
+    def _run(self, job: _Load, deadline: float) -> bool:
+        """Fetch, scatter (hashing as it copies), verify, record: the one load path."""
+        try:
+            self._fetch(job, deadline)
+            fetched = job.fetched
+            if fetched is not None and fetched.keys:
+                arrays = fetched.arrays
+                sums: list[int | None] = [None] * len(arrays)
+                hook: Callable[[int], None] | None = None
+                if self.config.verify_checksums:
+
+                    def hook(i: int) -> None:
+                        sums[i] = checksum(arrays[i])
+
+                self.copier.scatter(job.spec.block_ids[: len(arrays)], arrays, hook)
+                self._verify(job, sums)
+        except Exception as e:  # nothing of this load is trusted: recompute it all
+            logger.exception("kvray: load of %s failed", job.spec.req_id)
+            job.done, job.why = 0, f"{type(e).__name__}: {e}"
+        return self._record(job)
+
+    def _fetch(self, job: _Load, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            job.why = f"load timed out (load_timeout_s={self.config.load_timeout_s})"
+            return
+        ids = key_ids(job.keys)
+        job.fetched = self.store.fetch_from(job.keys, ids, self.shard, job.slots, job.pools, left)
+        job.why = job.fetched.reason
+
+    def _verify(self, job: _Load, sums: list[int | None] | None) -> None:
+        assert job.fetched is not None
+        job.done = self.store.verify(job.fetched, sums)
+        if job.done < len(job.fetched.keys):
+            job.why = "checksum mismatch"
+
+    def _run_layers(self, progress: _Layers, jobs: list[_Load]) -> None:
+        """Fetch every load of the step, scatter them one layer at a time (the forward pass
+        waits in ``wait_for_layer`` only for the layer it needs next), verify, record."""
+        recorded: set[JobId] = set()
+        try:
+            for job in jobs:
+                self._fetch(job, progress.deadline)
+            copies = [(j.spec, j.fetched.arrays) for j in jobs if j.fetched and j.fetched.keys]
+            for layer in range(self.mover.layout.num_layers):
+                if progress.cancelled:
+                    raise TimeoutError("the forward pass stopped waiting for this load")
+                for spec, arrays in copies:
+                    self.copier.scatter(
+                        spec.block_ids[: len(arrays)], arrays, layers=(layer, layer + 1)
+                    )
+                with progress.cv:
+                    progress.layers_done = layer + 1
+                    progress.cv.notify_all()
+            for job in jobs:
+                if job.fetched is not None and job.fetched.keys:
+                    self._verify(job, None)
+                self._record(job)
+                recorded.add(job.job_id)
+        except Exception as e:  # nothing of this step's loads is trusted: recompute it all
+            if not isinstance(e, TimeoutError):
+                logger.exception("kvray: layer-by-layer load failed")
+            for job in jobs:
+                if job.job_id not in recorded:
+                    job.done, job.why = 0, f"{type(e).__name__}: {e}"
+                    self._record(job)
+        finally:
+            with progress.cv:
+                progress.finished = True
+                progress.cv.notify_all()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until this step's layer-by-layer loads have filled ``layer_name``, or until
+        the load deadline: then the loads are cancelled (their blocks reported failed)."""
+        progress = self._layers
+        if progress is None:
+            return
+        index = self.layer_index.get(layer_name)
+        with progress.cv:
+            while not progress.finished and (index is None or progress.layers_done <= index):
+                left = progress.deadline - time.monotonic()
+                if left <= 0:
+                    progress.cancelled = True
+                    logger.warning("kvray: a layer-by-layer load missed its deadline")
+                    return
+                progress.cv.wait(left)
+
+    def finish_layers(self) -> None:
+        """Wait for this step's layer-by-layer loads, checksums included (their errors must
+        reach vLLM with this step's output). Bounded: a cancelled load stops at the next
+        layer, and a load past its deadline is cancelled here."""
+        progress = self._layers
+        if progress is None:
+            return
+        assert progress.future is not None
+        with progress.cv:
+            while not progress.finished:
+                if time.monotonic() >= progress.deadline:
+                    progress.cancelled = True
+                progress.cv.wait(0.05)
+        progress.future.result()
+        self._layers = None
+
+    def _record(self, job: _Load, why: str | None = None) -> bool:
+        """Count a load whose first ``job.done`` blocks are in place; the rest are errors."""
+        spec = job.spec
+        bad = spec.block_ids[job.done :]
+        if bad:
+            logger.warning(
+                "kvray: %d of %d blocks of %s not loaded (%s); vLLM recomputes them",
+                len(bad),
+                len(spec.block_ids),
+                spec.req_id,
+                why or job.why or "not found",
+            )
+        with self._lock:
+            c = self._meta.counters
+            c.loaded_blocks += job.done
+            c.loaded_bytes += job.done * self.block_nbytes
+            c.load_seconds += time.perf_counter() - job.t0
+            c.failed_blocks += len(bad)
+            self._load_errors.update(bad)
+            self._meta.mark(job.job_id, ok=not bad)
+        if job.done and self.tp_rank == 0:  # one rank counts tokens for the dashboard
+            self.store.tally.tokens_loaded += job.done * self.key_space.block_size
+        return not bad
+
+    # ---------------------------------------------------------------- stores
+    def submit_store(self, job_id: JobId, spec: StoreSpec) -> None:
+        """Gather the job's blocks into staging (in pieces that fit) and put them; a piece
+        that finds staging full is dropped (counted) and the job reported failed, so the
+        scheduler plans those blocks again. Once this returns no save reads vLLM's blocks."""
+        n = len(spec.block_ids)
+        if not self.is_writer or not n:
+            self._mark_store(job_id, spec, [], ok=True)
+            return
+        futures: list[Future[Any]] = []
+        ok = True
+        step = max(1, self.staging.max_blocks)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            fut = self._put_piece(spec, a, b)
+            if fut is None:
+                ok = False
+                with self._lock:
+                    self._meta.counters.dropped_blocks += n - a
+                break
+            futures.append(fut)
+        self._mark_store(job_id, spec, futures, ok=ok)
+
+    def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[Any] | None:
+        lease = self.copier.lease(b - a)
+        if lease is None:
+            logger.warning("kvray: staging full, dropping a save of %d blocks", b - a)
+            return None
+        try:
+            buf = lease.tensor[: b - a]
+            self.mover.gather(spec.block_ids[a:b], buf)
+            keys = self.key_space.block_keys(spec.block_hashes[a:b])
+            fut = self.store.io.put(
+                keys, key_ids(keys), self.shard, self.key_space.num_shards, buf.numpy()
+            )
+        except Exception:
+            logger.exception("kvray: a save of %d blocks failed", b - a)
+            lease.release()
+            return None
+        fut.add_done_callback(lambda f: self._put_done(b - a, f, lease))
+        return fut
+
+    def _put_done(self, n: int, fut: Future[Any], lease: Any) -> None:
+        lease.release()  # the staging rows are reusable once Ray owns a copy
+        with self._lock:
+            c = self._meta.counters
+            try:
+                r = fut.result()
+                c.stored_blocks += r.stored
+                c.duplicate_blocks += r.duplicate
+                c.refused_blocks += r.refused
+                c.stored_bytes += r.stored * self.block_nbytes
+            except Exception as e:
+                logger.warning("kvray: a put of %d blocks failed: %s", n, e)
+                c.refused_blocks += n
+
+    def _mark_store(
+        self, job_id: JobId, spec: StoreSpec, futures: list[Future[Any]], *, ok: bool
+    ) -> None:
+        """The job completes when every piece is owned by a pool (or failed)."""
+        if spec.finish:
+            with self._lock:  # the paged blocks are no longer read: vLLM may free them
+                self._finished_sending.add(spec.req_id)
+        if not futures:
+            with self._lock:
+                self._meta.mark(job_id, ok=ok)
+            return
+        left = [len(futures)]
+        failed = [not ok]
+
+        def one_done(f: Future[Any]) -> None:
+            try:
+                r = f.result()
+                failed[0] = failed[0] or r.refused > 0
+            except Exception:
+                failed[0] = True
+            with self._lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._puts.pop(job_id, None)
+                    self._meta.mark(job_id, ok=not failed[0])
+
+        with self._lock:
+            self._puts[job_id] = futures
+        for f in futures:
+            f.add_done_callback(one_done)
+
+    # ---------------------------------------------------------------- reports
+    def get_finished(self) -> tuple[set[ReqId], set[ReqId], set[ReqId]]:
+        self.finish_layers()
+        with self._lock:
+            if self._async_inflight > 0 and not self._finished_recving:
+                self._load_cv.wait(ASYNC_LOAD_WAIT_S)
+            sending, self._finished_sending = self._finished_sending, set()
+            recving, self._finished_recving = self._finished_recving, set()
+            failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
+
+    def load_errors(self) -> set[int]:
+        self.finish_layers()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_meta(self) -> KVRayWorkerMetadata | None:
+        self.finish_layers()
+        with self._lock:
+            if self._meta.is_empty():
+                return None
+            meta, self._meta = self._meta, KVRayWorkerMetadata()
+        return meta
+
+    def counters(self) -> Any:
+        return self._meta.counters
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for puts in flight (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            pending = [f for fs in self._puts.values() for f in fs]
+        for fut in pending:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                logger.debug("kvray: a put failed at flush", exc_info=True)
+
+    def shutdown(self) -> None:
+        self.finish_layers()
+        self.flush(timeout=5.0)
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)

@@ -1,0 +1,211 @@
+"""Keeping a :class:`LocalView` fresh: one thread long-polls every index shard.
+
+Only processes that answer lookups subscribe (a vLLM scheduler, a router, a driver); a vLLM
+worker gets block locations in the connector metadata and runs no feed. With ``k`` index shards
+the thread keeps one long poll in flight per shard and applies whichever answers first.
+
+Failures: a shard that is gone for good (``kvray.stop``, or killed) or keeps failing has its part
+of the view cleared at once, so lookups stop reporting blocks nobody may hold, and the thread
+looks the shard up again by name with backoff (kvray may be started again); each transition is
+logged once. A shard that answers ``stopped`` ends the subscription.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+
+from kvray.actors.types import RAY_NAMESPACE, Changes, index_name
+from kvray.errors import StoreUnavailableError
+from kvray.meta.view import LocalView
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Subscriber"]
+
+#: How long a long poll waits for a change before answering empty.
+POLL_WAIT_S = 1.0
+#: Least time between two polls of one shard: under a stream of changes each answer carries
+#: what piled up meanwhile, instead of one poll round trip per pool batch (8 subscribers
+#: polling 2 shards back to back cost more CPU than the index applying the changes).
+POLL_MIN_INTERVAL_S = 0.01
+#: Consecutive failures of one shard before its part of the view is cleared.
+CLEAR_AFTER_FAILURES = 3
+
+
+class _Shard:
+    def __init__(self, index: int, handle: Any) -> None:
+        self.index = index
+        self.handle = handle
+        self.failures = 0
+        self.retry_at = 0.0
+        self.next_poll = 0.0
+        self.cleared = False
+
+
+class Subscriber:
+    """The change feeds of one namespace, applied to a view from a background thread."""
+
+    def __init__(
+        self,
+        namespace: str,
+        handles: list[Any],
+        get_timeout_s: float,
+    ) -> None:
+        self.namespace = namespace
+        self.view = LocalView(len(handles))
+        self._shards = [_Shard(i, h) for i, h in enumerate(handles)]
+        self._timeout = get_timeout_s
+        self._cv = threading.Condition()
+        self._closed = threading.Event()
+        self.stopped = False
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Take a first snapshot of every shard (so lookups work at once), then subscribe."""
+        refs = [s.handle.changes.remote(self.view.epochs[s.index], -1, 0.0) for s in self._shards]
+        for s, ref in zip(self._shards, refs, strict=True):
+            self._apply(s, ray.get(ref, timeout=self._timeout))
+        self._thread = threading.Thread(target=self._run, name="kvray-feed", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            # The long polls return within about a second; Ray must not shut down under them.
+            t.join(timeout=POLL_WAIT_S + self._timeout + 2)
+
+    # ------------------------------------------------------------------ the thread
+    def _poll(self, s: _Shard) -> Any:
+        v = self.view
+        return s.handle.changes.remote(v.epochs[s.index], v.seqs[s.index], POLL_WAIT_S)
+
+    def _run(self) -> None:
+        pending: dict[Any, _Shard] = {}
+        issued: dict[int, float] = {}
+        while not self._closed.is_set():
+            now = time.monotonic()
+            for s in self._shards:
+                if s.index not in issued and now >= max(s.retry_at, s.next_poll):
+                    try:
+                        pending[self._poll(s)] = s
+                        issued[s.index] = now
+                    except Exception as e:
+                        self._failed(s, e)
+            # Wake for an answer, or when the next shard is due to be polled again.
+            due = [max(s.retry_at, s.next_poll) for s in self._shards if s.index not in issued]
+            timeout = max(0.0, min(due) - time.monotonic()) if due else POLL_WAIT_S
+            if pending:
+                try:
+                    ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+                except Exception:
+                    if self._closed.is_set() or not ray.is_initialized():
+                        return
+                    raise
+            else:
+                ready = []
+                self._closed.wait(timeout)
+            for ref in ready:
+                s = pending.pop(ref)
+                s.next_poll = issued.pop(s.index) + POLL_MIN_INTERVAL_S
+                try:
+                    ch: Changes = ray.get(ref, timeout=self._timeout)
+                except (SystemExit, KeyboardInterrupt):
+                    return
+                except Exception as e:
+                    if self._closed.is_set() or not ray.is_initialized():
+                        return
+                    self._failed(s, e)
+                    continue
+                try:
+                    self._apply(s, ch)
+                except Exception as e:  # never leave a half-applied view: start over
+                    logger.exception(
+                        "kvray feed: applying index shard %d's changes failed", s.index
+                    )
+                    self._failed(s, e, force_clear=True)
+                if self.stopped:
+                    self._closed.set()
+                    return
+            # A poll that outlived its wait by get_timeout_s is presumed lost.
+            for ref, s in list(pending.items()):
+                if time.monotonic() - issued[s.index] > POLL_WAIT_S + self._timeout:
+                    del pending[ref], issued[s.index]
+                    self._failed(s, TimeoutError("long poll did not answer"))
+
+    def _apply(self, s: _Shard, ch: Changes) -> None:
+        if ch.stopped:
+            logger.info("kvray: namespace %r was stopped; view cleared", self.namespace)
+            self.stopped = True
+            self.error = "kvray was stopped in this namespace"
+            with self._cv:
+                for shard in self._shards:
+                    self.view.clear_shard(shard.index)
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self.view.apply(ch)
+            self._cv.notify_all()
+        if s.failures or s.cleared:
+            logger.info("kvray: index shard %d of %r answers again", s.index, self.namespace)
+        s.failures, s.cleared, self.error = 0, False, None
+
+    def _failed(self, s: _Shard, e: BaseException, force_clear: bool = False) -> None:
+        s.failures += 1
+        self.error = f"index shard {s.index}: {type(e).__name__}: {e}"
+        gone = isinstance(e, ray.exceptions.ActorDiedError)
+        if (force_clear or gone or s.failures >= CLEAR_AFTER_FAILURES) and not s.cleared:
+            logger.warning(
+                "kvray: index shard %d of %r unreachable (%s); its part of the view is "
+                "cleared until it answers again",
+                s.index,
+                self.namespace,
+                self.error,
+            )
+            with self._cv:
+                self.view.clear_shard(s.index)
+                self._cv.notify_all()
+            s.cleared = True
+        if gone:  # killed for good: look it up again by name (kvray may be started again)
+            with contextlib.suppress(Exception):
+                s.handle = ray.get_actor(
+                    index_name(self.namespace, s.index), namespace=RAY_NAMESPACE
+                )
+        s.retry_at = time.monotonic() + min(2.0, 0.1 * 2 ** min(s.failures, 5))
+
+    # ------------------------------------------------------------------ barrier
+    def sync(self, timeout: float) -> None:
+        """Wait until the view reflects every block any pool had stored when called."""
+        if self._closed.is_set():
+            raise StoreUnavailableError(
+                f"kvray: the store of namespace {self.namespace!r} is closed"
+                + (f" ({self.error})" if self.stopped else "")
+            )
+        deadline = time.monotonic() + timeout
+        refs = [s.handle.barrier.remote(timeout) for s in self._shards]
+        try:
+            marks = ray.get(refs, timeout=timeout + 5)
+        except Exception as e:
+            raise StoreUnavailableError(f"kvray: the index did not answer a barrier: {e}") from e
+        v = self.view
+        with self._cv:
+            for i, (epoch, seq) in enumerate(marks):
+                while not (v.epochs[i] == epoch and v.seqs[i] >= seq):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closed.is_set():
+                        raise StoreUnavailableError(
+                            "kvray: the local view did not catch up with the index in time"
+                            + (f" ({self.error})" if self.error else "")
+                        )
+                    self._cv.wait(min(left, 0.5))

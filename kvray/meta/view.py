@@ -1,0 +1,129 @@
+"""A process's local copy of the index: visible block id -> location code, pools, placements.
+
+Applied from the change feeds of every index shard (:mod:`kvray.feed`) and read by lookups on
+other threads with no lock: one writer, many readers (see :class:`~kvray.meta.idtable.IdTable`).
+A snapshot is built aside and swapped in, so a lookup never sees a half-loaded view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kvray.actors.types import Changes, NodeInfo
+from kvray.meta.holders import MAX_POOLS
+from kvray.meta.ids import index_shard_of
+from kvray.meta.idtable import IdTable
+
+__all__ = ["LocalView"]
+
+#: Called with (ids that became visible, ids that stopped being visible) after each apply.
+Listener = Callable[[np.ndarray, np.ndarray], None]
+
+
+class LocalView:
+    """Visible blocks of a namespace as seen by this process."""
+
+    def __init__(self, num_shards: int) -> None:
+        self.num_shards = num_shards
+        self.table = IdTable({"loc": np.uint16})
+        self.epochs = [""] * num_shards
+        self.seqs = [-1] * num_shards
+        self.placements: list[dict[int, tuple[int, ...]]] = [{} for _ in range(num_shards)]
+        self._nodes_of: list[dict[int, NodeInfo]] = [{} for _ in range(num_shards)]
+        #: slot -> pool, merged over the shards' tables.
+        self.nodes: dict[int, NodeInfo] = {}
+        self.listener: Listener | None = None
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    # ------------------------------------------------------------------ writes (feed thread)
+    def apply(self, ch: Changes) -> None:
+        s = ch.shard
+        if ch.snapshot:
+            self._load_shard(s, ch.ids, ch.locs)
+            self.placements[s] = dict(ch.placements)
+        else:
+            self.placements[s].update(ch.placements)
+            self._apply_records(ch.ids, ch.locs)
+        self._nodes_of[s] = ch.nodes
+        self.nodes = _merge(self._nodes_of)
+        self.epochs[s], self.seqs[s] = ch.epoch, ch.seq
+
+    def _apply_records(self, ids: np.ndarray, locs: np.ndarray) -> None:
+        if not ids.size:
+            return
+        if ids.size > 1:  # a later record of an id wins
+            rev_ids = ids[::-1]
+            ids, last = np.unique(rev_ids, return_index=True)
+            locs = locs[::-1][last]
+        gone = locs == 0
+        if self.listener is not None:
+            present = self.table.contains(ids)
+            added, removed = ids[~gone & ~present], ids[gone & present]
+        self.table.delete(ids[gone])
+        self.table.upsert(ids[~gone], loc=locs[~gone])
+        if self.listener is not None:
+            self.listener(added, removed)
+
+    def _load_shard(self, shard: int, ids: np.ndarray, locs: np.ndarray) -> None:
+        """Replace everything of one shard's id range (built aside, then swapped in)."""
+        old_ids, cols = self.table.items()
+        if self.num_shards > 1:
+            keep = index_shard_of(old_ids, self.num_shards) != shard
+            all_ids = np.concatenate((old_ids[keep], ids))
+            all_locs = np.concatenate((cols["loc"][keep], locs))
+            old_ids = old_ids[~keep]
+        else:
+            all_ids, all_locs = ids, locs
+        self.table.load(all_ids, loc=all_locs)
+        if self.listener is not None:
+            self.listener(np.setdiff1d(ids, old_ids), np.setdiff1d(old_ids, ids))
+
+    def clear_shard(self, shard: int) -> None:
+        """Forget one shard (its index is gone): no lookup reports its blocks any more."""
+        self._load_shard(shard, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint16))
+        self.placements[shard] = {}
+        self._nodes_of[shard] = {}
+        self.nodes = _merge(self._nodes_of)
+        self.epochs[shard], self.seqs[shard] = "", -1
+
+    # ------------------------------------------------------------------ reads (any thread)
+    def lookup(self, ids: np.ndarray) -> int:
+        """Length of the longest prefix of ``ids`` visible in the view."""
+        return self.table.prefix_len(ids)
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        return self.table.contains(ids)
+
+    def locs(self, ids: np.ndarray) -> np.ndarray:
+        """Location code of each id (0: not visible, or not yet)."""
+        return self.table.get(ids, "loc")[1]
+
+    def slot_of(self, ids: np.ndarray, locs: np.ndarray, shard: int) -> np.ndarray:
+        """The pool slot holding shard ``shard`` of each block (-1: unknown)."""
+        out = locs.astype(np.int64) - 1
+        out[locs == 0] = -1
+        split = np.flatnonzero(locs > MAX_POOLS)
+        if split.size:
+            owner = index_shard_of(ids[split], self.num_shards)
+            for j, i in enumerate(split.tolist()):
+                t = self.placements[int(owner[j])].get(int(locs[i]))
+                out[i] = t[shard] if t is not None and shard < len(t) else -1
+        return out
+
+    def pool_names(self) -> dict[int, str]:
+        return {slot: n.pool_name for slot, n in self.nodes.items()}
+
+
+def _merge(tables: list[dict[int, NodeInfo]]) -> dict[int, NodeInfo]:
+    out: dict[int, NodeInfo] = {}
+    for t in tables:
+        out.update(t)
+    return out
