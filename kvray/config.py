@@ -23,6 +23,12 @@ class ConfigError(ValueError):
         super().__init__(f"kvray config: invalid {field_name}={value!r}: {reason}")
         self.field_name = field_name
         self.value = value
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled with its fields (the default rebuilds from the message alone and fails), so
+        # a ConfigError raised in a Ray task reaches ``ray.get``'s caller as itself.
+        return (type(self), (self.field_name, self.value, self.reason), self.__dict__)
 
 
 _UNITS = {

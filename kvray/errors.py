@@ -8,7 +8,11 @@ __all__ = ["BlockLostError", "KVRayError", "NotStartedError", "StoreUnavailableE
 
 
 class KVRayError(RuntimeError):
-    """Base class of kvray's runtime errors."""
+    """Base class of kvray's runtime errors.
+
+    Every kvray error pickles with its fields (a subclass whose ``__init__`` takes more than a
+    message overrides ``__reduce__``), so it crosses ``ray.get`` as itself.
+    """
 
 
 class BlockLostError(KVRayError):
@@ -23,6 +27,9 @@ class BlockLostError(KVRayError):
         shown = ", ".join(k.hex()[:16] for k in self.keys[:4])
         more = f" and {len(self.keys) - 4} more" if len(self.keys) > 4 else ""
         super().__init__(f"{len(self.keys)} kvray block(s) lost ({reason}): {shown}{more}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.keys, self.reason), self.__dict__)
 
 
 class NotStartedError(KVRayError):
