@@ -111,9 +111,9 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
     Calling it again is harmless: an existing index is reused as it is (a different capacity
     is reported, not applied: stop first to change it). Returns the index's stats.
     """
-    cfg = config or KVRayConfig()
-    if fields:
-        cfg = cfg.replace(**fields)
+    # One validation path for every entry point: unknown keys (a typo) are ConfigErrors and
+    # CLI-style strings ("2GiB", "false") are converted as in kv_connector_extra_config.
+    cfg = KVRayConfig.from_dict({**(config or KVRayConfig()).to_dict(), **fields})
     ensure_ray(cfg.address)
     index = BlockIndexActor.options(  # type: ignore[attr-defined]
         name=index_name(cfg.namespace),
