@@ -8,12 +8,13 @@ fails in the same way: one :class:`ConfigError` that names the field and the val
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ConfigError", "KVRayConfig", "format_bytes", "parse_bytes"]
+__all__ = ["MAX_BYTES", "ConfigError", "KVRayConfig", "format_bytes", "parse_bytes"]
 
 
 class ConfigError(ValueError):
@@ -23,6 +24,12 @@ class ConfigError(ValueError):
         super().__init__(f"kvray config: invalid {field_name}={value!r}: {reason}")
         self.field_name = field_name
         self.value = value
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled with its fields (the default rebuilds from the message alone and fails), so
+        # a ConfigError raised in a Ray task reaches ``ray.get``'s caller as itself.
+        return (type(self), (self.field_name, self.value, self.reason), self.__dict__)
 
 
 _UNITS = {
@@ -48,37 +55,56 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+#: No size kvray is given can sensibly exceed this (1 PiB); it also keeps every size a
+#: 64-bit integer for Ray, numpy and the metrics.
+MAX_BYTES = 1 << 50
+
+
 def parse_bytes(value: int | float | str, field_name: str = "size") -> int:
-    """Parse ``4GiB``, ``512MB``, ``1e9`` or an int into bytes (GiB = 2**30, GB = 10**9)."""
+    """Parse ``4GiB``, ``512MB``, ``1e9`` or an int into bytes (GiB = 2**30, GB = 10**9).
+
+    Infinite, NaN, negative and absurd (over 1 PiB) sizes raise :class:`ConfigError`.
+    """
     if isinstance(value, bool):
         raise ConfigError(field_name, value, "expected a size such as 4GiB or a byte count")
     if isinstance(value, int):
         n = value
     elif isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ConfigError(field_name, value, "expected a finite size")
-        n = int(value)
+        n = int(_finite_size(value, field_name, value))
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m is None:
             try:
-                n = int(float(value))
+                number = float(value)
             except ValueError:
                 raise ConfigError(
                     field_name, value, "expected a size such as 4GiB, 512MB or 1048576"
                 ) from None
+            n = int(_finite_size(number, field_name, value))
         else:
             unit = m.group(2).lower()
             if unit not in _UNITS:
                 raise ConfigError(
                     field_name, value, f"unknown unit {m.group(2)!r} (use B, KiB, MiB, GiB, GB...)"
                 )
-            n = int(float(m.group(1)) * _UNITS[unit])
+            n = int(_finite_size(float(m.group(1)) * _UNITS[unit], field_name, value))
     else:
         raise ConfigError(field_name, value, "expected a size such as 4GiB or a byte count")
     if n < 0:
         raise ConfigError(field_name, value, "must not be negative")
+    if n > MAX_BYTES:
+        raise ConfigError(field_name, value, f"must be at most 1 PiB ({MAX_BYTES} bytes)")
     return n
+
+
+def _finite_size(number: float, field_name: str, value: object) -> float:
+    """``number`` itself; infinity, NaN (``"inf"``, ``"1e400"``) and negative values (also
+    those ``int()`` would round to 0) are ConfigErrors."""
+    if not math.isfinite(number):
+        raise ConfigError(field_name, value, "expected a finite size")
+    if number < 0:
+        raise ConfigError(field_name, value, "must not be negative")
+    return number
 
 
 def format_bytes(n: float) -> str:
@@ -211,14 +237,20 @@ class KVRayConfig:
         """
         merged: dict[str, Any] = dict(values or {})
         merged.update({k: v for k, v in overrides.items() if v is not None})
-        known = set(cls.field_names())
-        for key in merged:
-            if key not in known:
-                raise ConfigError(key, merged[key], f"unknown key; known keys: {sorted(known)}")
+        cls._check_known(merged)
         return cls(**{k: _coerce(cls, k, v) for k, v in merged.items()})
 
     def replace(self, **changes: Any) -> KVRayConfig:
+        """A copy with ``changes`` applied and validated; unknown keys are errors."""
+        self._check_known(changes)
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def _check_known(cls, values: Mapping[str, Any]) -> None:
+        known = cls.field_names()
+        for key in values:
+            if key not in known:
+                raise ConfigError(key, values[key], f"unknown key; known keys: {sorted(known)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.field_names()}

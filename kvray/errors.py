@@ -14,7 +14,11 @@ __all__ = [
 
 
 class KVRayError(RuntimeError):
-    """Base class of kvray's runtime errors."""
+    """Base class of kvray's runtime errors.
+
+    Every kvray error pickles with its fields (a subclass whose ``__init__`` takes more than a
+    message overrides ``__reduce__``), so it crosses ``ray.get`` as itself.
+    """
 
 
 class BlockLostError(KVRayError):
@@ -26,9 +30,13 @@ class BlockLostError(KVRayError):
     def __init__(self, keys: Sequence[bytes], reason: str) -> None:
         self.keys = list(keys)
         self.reason = reason
-        shown = ", ".join(k.hex()[:16] for k in self.keys[:4])
+        # Keys of one engine share a long prefix: show their ends.
+        shown = ", ".join("..." + k.hex()[-16:] for k in self.keys[:4])
         more = f" and {len(self.keys) - 4} more" if len(self.keys) > 4 else ""
         super().__init__(f"{len(self.keys)} kvray block(s) lost ({reason}): {shown}{more}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.keys, self.reason), self.__dict__)
 
 
 class NotStartedError(KVRayError):

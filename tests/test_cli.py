@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import uuid
 
+import pytest
 import ray
 from ray.cluster_utils import Cluster
 from typer.testing import CliRunner
 
+import kvray
 from kvray.cli import app
 
 runner = CliRunner()
@@ -45,3 +47,24 @@ def test_user_errors_are_one_clear_line(ray_cluster: Cluster) -> None:
     assert "not started in namespace 'never-started'" in missing.output
     assert "Traceback" not in missing.output
     assert len(missing.output.strip().splitlines()) <= 2
+
+
+def test_non_finite_and_absurd_sizes_are_one_clear_line(ray_cluster: Cluster) -> None:
+    ns = f"cli{uuid.uuid4().hex[:6]}"
+    for capacity, reason in [
+        ("inf", "expected a finite size"),
+        ("1e400", "expected a finite size"),
+        ("nan", "expected a finite size"),
+        ("-1GiB", "expected a size such as"),
+        ("-0.5", "must not be negative"),
+        ("2048TiB", "must be at most 1 PiB"),
+    ]:
+        res = runner.invoke(app, ["start", "--namespace", ns, "--capacity", capacity])
+        assert isinstance(res.exception, SystemExit), (capacity, res.exception)  # not a crash
+        assert res.exit_code == 1, (capacity, res.output)
+        assert "Traceback" not in res.output
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert f"invalid capacity={capacity!r}: {reason}" in lines[0]
+    with pytest.raises(kvray.NotStartedError):  # nothing was deployed
+        kvray.connect(ns)

@@ -75,6 +75,72 @@ def test_bad_config_names_field_and_value(values: dict, field: str, value: objec
     assert repr(value) in str(info.value) or str(value) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("capacity", "inf"),
+        ("capacity", "-inf"),
+        ("capacity", "1e400"),
+        ("capacity", "nan"),
+        ("capacity", float("inf")),
+        ("capacity", float("nan")),
+        ("capacity", "9" * 400 + "GiB"),
+        ("capacity", "1" * 5000),
+        ("capacity", 10**30),
+        ("capacity", "2048TiB"),
+        ("staging_bytes", -0.5),
+        ("staging_bytes", "-1e3"),
+        ("segment_bytes", "inf"),
+        ("max_inflight_put_bytes", float("-inf")),
+        ("get_timeout_s", float("nan")),
+        ("get_timeout_s", float("inf")),
+        ("put_timeout_s", -1),
+        ("lease_timeout_s", "nan"),
+    ],
+    ids=lambda v: repr(v)[:24],
+)
+def test_non_finite_negative_and_absurd_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVRayConfig.from_dict({field: value})
+    assert info.value.field_name == field
+    assert f"invalid {field}=" in str(info.value)
+    with pytest.raises(ConfigError) as direct:
+        KVRayConfig(**{field: value})  # type: ignore[arg-type]
+    assert direct.value.field_name == field
+
+
+def test_the_largest_size_is_accepted() -> None:
+    assert KVRayConfig(capacity=1 << 50).capacity == 1 << 50
+    assert KVRayConfig(capacity="1024TiB").capacity == 1 << 50
+    with pytest.raises(ConfigError, match="at most 1 PiB"):
+        parse_bytes((1 << 50) + 1, "capacity")
+
+
+def test_replace_rejects_unknown_fields() -> None:
+    cfg = KVRayConfig()
+    assert cfg.replace(capacity="2GiB").capacity == 2 << 30
+    with pytest.raises(ConfigError) as info:
+        cfg.replace(capacty="2GiB")
+    assert info.value.field_name == "capacty"
+    assert "unknown key" in str(info.value)
+    with pytest.raises(ConfigError, match="unknown key"):
+        cfg.replace(_extra={})
+
+
+def test_start_with_a_typo_names_the_unknown_key() -> None:
+    import kvray
+
+    # The address answers nothing: were the key accepted, start would fail fast on Ray, not
+    # silently deploy somewhere.
+    with pytest.raises(ConfigError) as info:
+        kvray.start(namespace="typo-test", address="127.0.0.1:9", capacty="1GiB")
+    assert info.value.field_name == "capacty"
+    assert "unknown key" in str(info.value)
+    base = KVRayConfig(namespace="typo-test", address="127.0.0.1:9")
+    with pytest.raises(ConfigError, match="capacity='1x'"):
+        kvray.start(base, capacity="1x")
+
+
 def _fp(**changes: object) -> LayoutFingerprint:
     base = {
         "model": "m",

@@ -306,8 +306,9 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
     Calling it again is harmless: a running namespace is kept as it is (a different capacity
     is reported, not applied: stop first to change it). Returns the reconciler's stats.
     """
-    base = config.to_dict() if config is not None else {}
-    cfg = KVRayConfig.from_dict({**base, **fields}) if fields else config or KVRayConfig()
+    # One validation path for every entry point: unknown keys (a typo) are ConfigErrors and
+    # CLI-style strings ("2GiB", "false") are converted as in kv_connector_extra_config.
+    cfg = KVRayConfig.from_dict({**(config or KVRayConfig()).to_dict(), **fields})
     ensure_ray(cfg.address)
     alive = sum(1 for n in ray.nodes() if n.get("Alive"))
     shards = cfg.index_shards or default_index_shards(alive)

@@ -4,7 +4,8 @@
 
 A thin facade in the style of vLLM's ``OffloadingConnector``: the scheduler role delegates to
 :class:`KVRayConnectorScheduler`, the worker role to :class:`KVRayConnectorWorker`. Every key of
-``kv_connector_extra_config`` is validated by :class:`kvray.KVRayConfig` when the engine starts.
+``kv_connector_extra_config`` is validated by :class:`kvray.KVRayConfig` when the engine starts;
+``kv_load_failure_policy`` must be ``"recompute"`` (vLLM's default ``"fail"`` is refused).
 This package imports vLLM; ``import kvray`` does not import this package.
 """
 
@@ -23,13 +24,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvray.config import KVRayConfig
+from kvray.config import ConfigError, KVRayConfig
 from kvray.connector.cluster import close_store, open_store
 from kvray.connector.keys import EngineKeySpace, build_key_space
 from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import KVRayConnectorMetadata, KVRayWorkerMetadata
 from kvray.connector.scheduler import KVRayConnectorScheduler
 from kvray.connector.worker import KVRayConnectorWorker
+from kvray.errors import KVRayError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,16 +55,35 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _layout_hint(vllm_config: VllmConfig, key_space: EngineKeySpace) -> str | None:
-    """The attention backend's name (plus the CPU ISA) for the kernels' layout detection."""
-    name: str | None = None
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+def _require_recompute_policy(vllm_config: VllmConfig) -> None:
+    """Fail closed unless vLLM recomputes what kvray fails to load.
 
-        backends = get_current_attn_backends(vllm_config)
-        name = backends[0].get_name() if backends else None
-    except Exception:  # no model layers registered (unit tests): fall back to the platform
-        name = None
+    vLLM's default ``kv_load_failure_policy`` is ``"fail"``: every eviction race or lost node
+    would then fail user requests instead of costing a recompute.
+    """
+    ktc = vllm_config.kv_transfer_config
+    policy = getattr(ktc, "kv_load_failure_policy", None)
+    if policy != "recompute":
+        raise ConfigError(
+            "kv_load_failure_policy",
+            policy,
+            "kvray is a cache whose blocks can be evicted or lost with their node between "
+            "lookup and load, and this policy fails the request instead of recomputing it; "
+            'set "kv_load_failure_policy": "recompute" in --kv-transfer-config',
+        )
+
+
+def _layout_hint(vllm_config: VllmConfig, key_space: EngineKeySpace) -> str | None:
+    """The attention backend's name (plus the CPU ISA) for the kernels' layout detection.
+
+    No try/except: with no model layers registered (connectors built in tests, or before the
+    model loads) vLLM's ``get_current_attn_backends`` does not raise but selects the backend
+    from the model config; any error is a real one and refuses the start.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = get_current_attn_backends(vllm_config)
+    name: str | None = backends[0].get_name() if backends else None
     if name is None:
         from vllm.platforms import current_platform
 
@@ -72,13 +93,31 @@ def _layout_hint(vllm_config: VllmConfig, key_space: EngineKeySpace) -> str | No
     return name
 
 
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank, from vLLM's initialised parallel state.
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # parallel state not initialised (unit tests): a single rank
+    A single-rank engine is rank 0 without it (workers built in tests); at TP > 1 a guessed
+    rank 0 would make every rank write rank 0's keys, so the start is refused.
+    """
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if model_parallel_is_initialized():
+        group = get_tp_group()
+        if group.world_size == tp:
+            return int(group.rank_in_group)
+        problem = f"vLLM's tensor-parallel group has {group.world_size} rank(s)"
+    elif tp == 1 and pp == 1:
         return 0
+    else:
+        problem = "vLLM's tensor-parallel group is not initialised in this process"
+    raise KVRayError(
+        f"kvray connector: {problem} but tensor_parallel_size={tp}, pipeline_parallel_size="
+        f"{pp}: this worker's rank is unknown, and guessing rank 0 would make every rank "
+        "write rank 0's keys; create the worker-role connector after vLLM initialises its "
+        "model-parallel groups"
+    )
 
 
 class KVRayConnector(KVConnectorBase_V1):
@@ -97,11 +136,18 @@ class KVRayConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _require_recompute_policy(vllm_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = KVRayConfig.from_dict(extra)
         self.key_space: EngineKeySpace = build_key_space(self.config, vllm_config, kv_cache_config)
         # Only the scheduler answers lookups: it alone subscribes to the index's feed.
         is_scheduler = role == KVConnectorRole.SCHEDULER
+        # Checked before joining the cluster, so a refused start leaves nothing open.
+        tp_rank, layout_hint = (
+            (0, None)
+            if is_scheduler
+            else (_tp_rank(vllm_config), _layout_hint(vllm_config, self.key_space))
+        )
         self.store: Any = open_store(self.config, subscribe=is_scheduler)
         parallel = vllm_config.parallel_config
         self.connector_scheduler: KVRayConnectorScheduler | None = None
@@ -125,8 +171,8 @@ class KVRayConnector(KVConnectorBase_V1):
                 self.config,
                 self.key_space,
                 self.store,
-                tp_rank=_tp_rank(),
-                layout_hint=_layout_hint(vllm_config, self.key_space),
+                tp_rank=tp_rank,
+                layout_hint=layout_hint,
             )
         logger.info(
             "kvray connector (%s) in namespace %r, load_mode=%s",
