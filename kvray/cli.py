@@ -173,6 +173,8 @@ def monitor(
     from kvray import monitor as monitor_mod
     from kvray.actors.deploy import ensure_ray
 
+    if scrape_interval is not None and not 0.1 <= scrape_interval <= 3600:
+        _fail(f"invalid --scrape-interval {scrape_interval!r}: expected 0.1 to 3600 seconds")
     _run(ensure_ray, address)
 
     def _interrupt(signum: int, frame: Any) -> None:

@@ -335,7 +335,7 @@ def _report(say: Callable[[str], None], prom: Prometheus, keep: bool) -> None:
     origin = {
         "ray": "Ray's config for this session",
         "ray-copy": "a copy of Ray's config for this session",
-        "kvray": "kvray's config (no Ray config here: head without dashboard, or not the head)",
+        "kvray": "kvray's own: this session has no Ray config (no dashboard, or not the head)",
     }[s.source]
     say(f"Prometheus (pid {prom.pid}) listens on {prom.url}")
     say(f"  config: {s.config} ({origin}), scraping every {s.scrape_interval_s:g}s")
@@ -349,7 +349,7 @@ def _report(say: Callable[[str], None], prom: Prometheus, keep: bool) -> None:
         f"(default http://localhost:{DEFAULT_PORT})"
     )
     if seen is None:
-        say(f"Ray dashboard: none answers here; it finds Prometheus when you {hint}")
+        say(f"Ray dashboard: none answers; for one to find this Prometheus, {hint}")
     elif seen:
         say(f"Ray dashboard (http://{dash}) reaches a Prometheus at its RAY_PROMETHEUS_HOST")
     else:

@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass
 from typing import Any, Protocol
 
-from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -99,7 +98,11 @@ def _size(n: float) -> str:
 def _used(s: Mapping[str, float], used: str, capacity: str) -> str:
     cap = s.get(capacity, 0)
     pct = f" {100 * s.get(used, 0) / cap:3.0f}%" if cap else ""
-    return f"{_size(s.get(used, 0))} / {_size(cap)}{pct}"
+    return f"{_size(s.get(used, 0))}/{_size(cap)}{pct}"
+
+
+def _rate(per_s: float) -> str:
+    return f"{per_s:,.1f}" if per_s < 100 else f"{per_s:,.0f}"
 
 
 def _has_disk(nodes: Mapping[str, NodeStats]) -> bool:
@@ -116,9 +119,9 @@ def _row(name: str, s: Mapping[str, float], r: NodeRates | None, disk: bool) -> 
         f"{int(s.get('blocks', 0)):,}",
         _used(s, "bytes", "capacity"),
         _hit_rate(s.get("hits", 0), s.get("misses", 0)),
-        f"{r.loads:,.1f}" if r else "-",
-        f"{r.stores:,.1f}" if r else "-",
-        f"{r.evictions:,.1f}" if r else "-",
+        _rate(r.loads) if r else "-",
+        _rate(r.stores) if r else "-",
+        _rate(r.evictions) if r else "-",
         f"{int(s.get('refused', 0)):,}",
         f"{int(s.get('lost', 0)):,}",
         f"{int(s.get('active_leases', 0)):,}",
@@ -140,13 +143,19 @@ def render(
     time of the snapshot and, under it, any error."""
     nodes: Mapping[str, NodeStats] = stats.get("nodes", {})
     disk = _has_disk(nodes)
-    table = Table(title=f"kvray namespace {stats.get('namespace', '?')}", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"kvray namespace {stats.get('namespace', '?')}",
+        box=None,
+        header_style="bold underline",
+        padding=(0, 1),
+        pad_edge=False,
+    )
     cols = ["node", "blocks", "used / capacity", "hit rate", "loads/s", "stores/s", "evict/s"]
     cols += ["refused", "lost", "leases"]
     if disk:
         cols += ["disk blk", "disk used / cap"]
     for col in cols:
-        table.add_column(col, justify="left" if col == "node" else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col == "node" else "right")
     tot: dict[str, float] = {}
     moved = NodeRates(0.0, 0.0, 0.0, 0.0, 0.0)
     errors: list[Text] = []
