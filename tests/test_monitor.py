@@ -46,6 +46,18 @@ N_BLOCKS = 8
 CAPACITY = 64 << 20
 WAIT_S = 90.0
 
+# Checked at collection, so that a missing binary costs no cluster work.
+needs_prometheus = pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="no prometheus binary (Debian: apt-get install prometheus)",
+)
+needs_chromium = pytest.mark.skipif(
+    chromium_binary() is None, reason="no chromium binary (Debian: apt-get install chromium)"
+)
+needs_tmux = pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="no tmux binary (Debian: apt-get install tmux)"
+)
+
 
 def _wait(
     what: str,
@@ -251,8 +263,6 @@ def _reader(stream: object, into: list[str]) -> threading.Thread:
 def prometheus(traffic: Traffic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitor]:
     """``kvray monitor`` in its own process, on the port RAY_PROMETHEUS_HOST names; stopped with
     Ctrl-C (SIGINT), which must exit 0 and take Prometheus with it."""
-    if shutil.which("prometheus") is None:
-        pytest.skip("no prometheus binary (Debian: apt-get install prometheus)")
     port = urllib.parse.urlparse(os.environ["RAY_PROMETHEUS_HOST"]).port
     assert port is not None
     at_dashboard_port = monitor.port_free("127.0.0.1", port)
@@ -305,6 +315,7 @@ def _value(url: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if len(result) == 1 else None
 
 
+@needs_prometheus
 def test_prometheus_returns_kvray_series_with_the_right_values(
     prometheus: Monitor, traffic: Traffic
 ) -> None:
@@ -354,6 +365,7 @@ def test_prometheus_returns_kvray_series_with_the_right_values(
     _wait(f"every node's endpoint {want_up} is a target of Prometheus, up", every_node_up)
 
 
+@needs_prometheus
 def test_ray_dashboard_reaches_this_prometheus(prometheus: Monitor) -> None:
     if not prometheus.dashboard_port:
         pytest.skip("the port RAY_PROMETHEUS_HOST names was taken by another process")
@@ -365,12 +377,13 @@ def test_ray_dashboard_reaches_this_prometheus(prometheus: Monitor) -> None:
 # ------------------------------------------------------------------ Chromium
 
 
+@needs_prometheus
+@needs_chromium
 def test_chromium_shows_kvray_in_the_dashboard_and_a_prometheus_graph(
     prometheus: Monitor, traffic: Traffic, tmp_path: Path
 ) -> None:
     binary = chromium_binary()
-    if binary is None:
-        pytest.skip("no chromium binary (Debian: apt-get install chromium)")
+    assert binary is not None
     ns = traffic.namespace
     names = [f"{ns}/index"] + [f"{ns}/pool/{node}" for node in traffic.nodes]
     dashboard = f"http://{ray._private.worker.get_dashboard_url()}/#/actors"
@@ -444,9 +457,8 @@ def _row(screen: str, node_id: str) -> list[str] | None:
     return None
 
 
+@needs_tmux
 def test_status_watch_in_tmux_updates_and_exits_0_on_ctrl_c(kvray_ns: str, tmp_path: Path):
-    if shutil.which("tmux") is None:
-        pytest.skip("no tmux binary (Debian: apt-get install tmux)")
     # A trap (not an ignore) keeps the shell alive through Ctrl-C to print kvray's status,
     # while kvray itself starts with SIGINT at its default (handlers do not survive exec).
     # The pane's shell may export a stale COLUMNS=80 (rich would take it over the tty's size).
