@@ -1,4 +1,4 @@
-"""The ``kvray`` command: start, stop, status, demo, serve.
+"""The ``kvray`` command: start, stop, status, monitor, demo, serve.
 
 Errors a user can hit (no cluster, auth, bad size, not started) print one line and exit 1;
 anything else is a bug and keeps its traceback.
@@ -101,15 +101,28 @@ def status(
     address: Address = None,
     namespace: Namespace = "default",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="live view with loads/s and stores/s, until Ctrl-C")
+    ] = False,
+    interval: Annotated[float, typer.Option(help="seconds between --watch refreshes")] = 1.0,
 ) -> None:
     """Per-node blocks, bytes, hit rate, evictions, refused puts and lost blocks."""
     import kvray
     from kvray.actors.join import ensure_ray
 
+    if watch and as_json:
+        _fail("--watch and --json cannot be combined")
+    if watch and not 0.1 <= interval <= 3600:
+        _fail(f"invalid --interval {interval!r}: expected 0.1 to 3600 seconds")
     cfg = _config(namespace, address)
     _run(ensure_ray, cfg.address)
     store = _run(kvray.connect, namespace, cfg)
     try:
+        if watch:
+            from kvray.watch import watch as watch_view
+
+            _run(watch_view, store, console, interval_s=interval)
+            return
         stats = _run(store.stats)
     finally:
         store.close()
@@ -137,6 +150,48 @@ def status(
     console.print(table)
     idx = stats["index"]
     console.print(f"index: {idx['keys']:,} keys, {idx['pools']} live pool(s)")
+
+
+@app.command()
+def monitor(
+    address: Address = None,
+    port: Annotated[int, typer.Option(help="Prometheus port (where the dashboard looks)")] = 9090,
+    host: Annotated[str, typer.Option(help="Prometheus bind address")] = "127.0.0.1",
+    scrape_interval: Annotated[
+        float | None, typer.Option(help="seconds between scrapes (default: Ray's config, 10)")
+    ] = None,
+    data_dir: Annotated[
+        str | None, typer.Option(help="keep Prometheus's data here (default: a temp dir)")
+    ] = None,
+    prometheus: Annotated[
+        str | None, typer.Option(help="prometheus binary (default: the one on PATH)")
+    ] = None,
+) -> None:
+    """Run Prometheus on the config Ray writes for its session, until Ctrl-C."""
+    import signal
+
+    from kvray import monitor as monitor_mod
+    from kvray.actors.deploy import ensure_ray
+
+    if scrape_interval is not None and not 0.1 <= scrape_interval <= 3600:
+        _fail(f"invalid --scrape-interval {scrape_interval!r}: expected 0.1 to 3600 seconds")
+    _run(ensure_ray, address)
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops Prometheus too, as Ctrl-C does
+    rc = _run(
+        monitor_mod.run,
+        lambda line: console.print(line, highlight=False, soft_wrap=True),
+        host=host,
+        port=port,
+        scrape_interval_s=scrape_interval,
+        data_dir=data_dir,
+        prometheus=prometheus,
+    )
+    if rc:
+        raise typer.Exit(rc)
 
 
 @app.command()

@@ -9,6 +9,8 @@ suite behaves the same with or without ``~/.ray/auth_token``.
 from __future__ import annotations
 
 import os
+import random
+import socket
 import uuid
 from collections.abc import Iterator
 
@@ -40,13 +42,35 @@ def _node_args(resources: dict[str, float], num_cpus: int) -> dict:
     }
 
 
+def _free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range (so no outgoing socket takes it)."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Cluster]:
-    """Head + simulated nodes A and B; this process is connected; RAY_ADDRESS is exported."""
+    """Head + simulated nodes A and B; this process is connected; RAY_ADDRESS is exported.
+
+    The head runs Ray's dashboard (tests/test_monitor.py opens it in a browser); it looks for
+    Prometheus at RAY_PROMETHEUS_HOST, a port kept free for tests/test_monitor.py.
+    """
+    old_prom = os.environ.get("RAY_PROMETHEUS_HOST")
+    os.environ["RAY_PROMETHEUS_HOST"] = f"http://127.0.0.1:{_free_port()}"
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             **_node_args({"head": 1}, 2),
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": _free_port(),
             "_system_config": {
                 # Detect removed nodes within seconds (defaults take ~30 s).
                 "health_check_initial_delay_ms": 0,
@@ -68,10 +92,11 @@ def ray_cluster() -> Iterator[Cluster]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        if old_addr is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = old_addr
+        for name, old in (("RAY_ADDRESS", old_addr), ("RAY_PROMETHEUS_HOST", old_prom)):
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 @pytest.fixture
