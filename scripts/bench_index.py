@@ -285,7 +285,7 @@ def cluster_phase(args: argparse.Namespace) -> dict[str, Any]:
     shards = [
         IndexShardActor.options(  # type: ignore[attr-defined]
             name=index_name(NS, i), namespace=RAY_NAMESPACE, max_concurrency=1000, num_cpus=0
-        ).remote(cfg, i, k)
+        ).remote(cfg, i, k, run=True)
         for i in range(k)
     ]
     fake = FakePools.options(name="benchidx/fakepools", namespace=RAY_NAMESPACE).remote()

@@ -385,7 +385,7 @@ def test_chromium_shows_kvray_in_the_dashboard_and_a_prometheus_graph(
     binary = chromium_binary()
     assert binary is not None
     ns = traffic.namespace
-    names = [f"{ns}/index"] + [f"{ns}/pool/{node}" for node in traffic.nodes]
+    names = [f"{ns}/control", f"{ns}/index/0"] + [f"{ns}/pool/{node}" for node in traffic.nodes]
     dashboard = f"http://{ray._private.worker.get_dashboard_url()}/#/actors"
     series = f'sum by (node_id) (ray_kvray_pool_bytes_used{{namespace="{ns}"}})'
     graph = f"{prometheus.url}/classic/graph?" + urllib.parse.urlencode(
@@ -405,7 +405,8 @@ def test_chromium_shows_kvray_in_the_dashboard_and_a_prometheus_graph(
             lambda t: all(name in t for name in names),
             fill=("Name", f"{ns}/"),
         )
-        assert text.count("BlockPool") == len(traffic.nodes) and "BlockIndex" in text
+        assert text.count("BlockPool") == len(traffic.nodes)
+        assert "IndexShard" in text and "Reconciler" in text
         # The filter left exactly this namespace's actors, all alive (the chips above the table).
         chips = re.findall(r"(TOTAL|ALIVE)\s*x\s*(\d+)", text, flags=re.IGNORECASE)
         assert {(k.upper(), int(v)) for k, v in chips} == {

@@ -64,7 +64,7 @@ class _PoolRecord:
 class Reconciler:
     """Pools on every alive node, their health, and the index shards' view of them."""
 
-    def __init__(self, config: dict[str, Any], num_index_shards: int) -> None:
+    def __init__(self, config: dict[str, Any], num_index_shards: int, *, run: bool = False) -> None:
         self._cfg = KVRayConfig.from_dict(config)
         self._ns = self._cfg.namespace
         self._k = num_index_shards
@@ -75,6 +75,8 @@ class Reconciler:
         self._ticks = 0
         self._task: asyncio.Task[None] | None = None
         self._epoch = uuid.uuid4().hex
+        if run:
+            self.start()
 
     def start(self) -> None:
         self._index = [self._index_shard(i) for i in range(self._k)]
@@ -91,7 +93,7 @@ class Reconciler:
             max_restarts=-1,
             max_task_retries=-1,
             max_concurrency=1000,
-        ).remote(self._cfg.to_dict(), i, self._k)
+        ).remote(self._cfg.to_dict(), i, self._k, run=True)
 
     async def _loop(self) -> None:
         while not self._stopping:
@@ -277,16 +279,12 @@ def spawn_pool(
         lease_timeout_s,
         get_timeout_s,
         publish_interval_s,
+        run=True,
     )
 
 
-class _ReconcilerActor(Reconciler):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.start()
-
-
-ReconcilerActor = ray.remote(_ReconcilerActor)
+#: The actor; created with ``run=True`` so that it starts its threads in every incarnation.
+ReconcilerActor = ray.remote(Reconciler)
 
 
 def get_control(namespace: str) -> Any:
@@ -321,7 +319,7 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=100,
-    ).remote(cfg.to_dict(), shards)
+    ).remote(cfg.to_dict(), shards, run=True)
     wait = max(cfg.get_timeout_s, 60.0)
     deadline = time.monotonic() + wait
     try:

@@ -66,7 +66,9 @@ class _Pool:
 class IndexShard:
     """One shard of the global index (an async Ray actor)."""
 
-    def __init__(self, config: dict[str, Any], shard: int = 0, num_shards: int = 1) -> None:
+    def __init__(
+        self, config: dict[str, Any], shard: int = 0, num_shards: int = 1, *, run: bool = False
+    ) -> None:
         self._cfg = KVRayConfig.from_dict(config)
         self._ns = self._cfg.namespace
         self._shard = shard
@@ -86,6 +88,8 @@ class IndexShard:
         self._busy_s = 0.0  # CPU time spent applying pool updates
         self._resyncs = 0
         self._metrics = IndexMetrics.disabled()
+        if run:
+            self.start()
 
     def start(self) -> None:
         self._metrics = IndexMetrics(self._ns, self._shard)
@@ -386,10 +390,5 @@ _EMPTY_IDS = np.zeros(0, dtype=np.uint64)
 _EMPTY_LOCS = np.zeros(0, dtype=np.uint16)
 
 
-class _IndexActor(IndexShard):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.start()
-
-
-IndexShardActor = ray.remote(_IndexActor)
+#: The actor; created with ``run=True`` so that it starts its threads in every incarnation.
+IndexShardActor = ray.remote(IndexShard)

@@ -89,7 +89,11 @@ class BlockPool:
         lease_timeout_s: float = 60.0,
         get_timeout_s: float = 30.0,
         publish_interval_s: float = PUBLISH_INTERVAL_S,
+        *,
+        run: bool = False,
     ) -> None:
+        """``run``: start the threads and metrics now (the actor); unit tests leave it off
+        and call :meth:`start` if they need them."""
         self._namespace = namespace
         self._node_id = node_id
         self._slot = int(slot)
@@ -109,6 +113,8 @@ class BlockPool:
         self._pub = IndexPublisher(namespace, self._slot, self._incarnation, self._num_shards)
         self._counters = _Counters()
         self._metrics = PoolMetrics.disabled()
+        if run:
+            self.start()
 
     def start(self) -> None:
         """Metrics and the gauge refresher (needs Ray; unit tests may skip it)."""
@@ -456,10 +462,5 @@ class BlockPool:
 _EMPTY = np.zeros(0, dtype=np.uint64)
 
 
-class _PoolActor(BlockPool):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.start()
-
-
-BlockPoolActor = ray.remote(_PoolActor)
+#: The actor; created with ``run=True`` so that it starts its threads in every incarnation.
+BlockPoolActor = ray.remote(BlockPool)
