@@ -35,7 +35,6 @@ def build_llm_config(
     router_kwargs: Mapping[str, Any] | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
-    max_replicas_per_node: int | None = None,
     deployment_config: Mapping[str, Any] | None = None,
     runtime_env: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -45,7 +44,8 @@ def build_llm_config(
     ``kvray_config``: extra kvray connector settings (``kv_connector_extra_config``).
     ``router``: ``kvray`` (:class:`KVRayRouter`), ``prefix`` (Ray's
     ``PrefixCacheAffinityRouter``) or ``pow2`` (Serve's default power of two choices).
-    Replicas take ``num_cpus`` CPUs (and ``num_gpus`` GPUs) each, from a placement group.
+    Each replica (its engine processes included) takes ``num_cpus`` CPUs and ``num_gpus`` GPUs,
+    one placement-group bundle; replicas that take a whole node's CPUs land on distinct nodes.
     """
     from ray.serve.config import RequestRouterConfig
     from ray.serve.llm import LLMConfig
@@ -82,8 +82,8 @@ def build_llm_config(
     if runtime_env:
         base["runtime_env"] = dict(runtime_env)
     deployment: dict[str, Any] = {"num_replicas": replicas, **dict(deployment_config or {})}
-    if max_replicas_per_node is not None:
-        deployment["max_replicas_per_node"] = max_replicas_per_node
+    # The replica actor itself takes nothing: the bundle is the replica's whole share.
+    deployment.setdefault("ray_actor_options", {}).setdefault("num_cpus", 0)
     if router == "kvray":
         from kvray.serving.router import KVRayRouter
 
