@@ -439,3 +439,20 @@ def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
     bad.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]["capacty"] = "1GiB"
     with pytest.raises(ConfigError, match="capacty"):
         KVRayConnectorBackend(bad).setup()
+
+
+def test_cli_serve_refuses_bad_arguments_in_one_line(ray_cluster: Cluster) -> None:
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+
+    runner = CliRunner()
+    bad_router = runner.invoke(app, ["serve", "/models/m", "--router", "fastest"])
+    assert bad_router.exit_code == 1
+    assert "invalid router='fastest'" in bad_router.output
+    assert "Traceback" not in bad_router.output
+    bad_arg = runner.invoke(app, ["serve", "/models/m", "--engine-arg", "max_model_len"])
+    assert bad_arg.exit_code == 1
+    assert "--engine-arg expects key=value" in bad_arg.output
+    reserved = runner.invoke(app, ["serve", "/models/m", "--engine-arg", "model=other"])
+    assert reserved.exit_code == 1 and "set by build_app" in reserved.output
