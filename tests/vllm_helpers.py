@@ -338,7 +338,11 @@ CHAT_TEMPLATE = (
 
 
 def build_text_model(
-    path: str | os.PathLike[str], *, vocab: int = 2048, sources: Sequence[str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    vocab: int = 2048,
+    sources: Sequence[str] | None = None,
+    **model: Any,
 ) -> str:
     """A random float32 Llama with a real tokenizer next to it (text, chat and streaming work).
 
@@ -346,13 +350,13 @@ def build_text_model(
     ``.py`` files (vLLM's and this repository's by default), wrapped in a
     ``PreTrainedTokenizerFast`` with ``<pad>``/``<s>``/``</s>`` (ids 0, 1, 2 as the model's
     config says) and :data:`CHAT_TEMPLATE`, and saved next to the model, whose vocabulary is
-    the tokenizer's. Idempotent like :func:`build_tiny_llama`.
+    the tokenizer's; ``model`` goes to :func:`build_tiny_llama` (sizes). Idempotent like it.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     out = Path(path)
-    build_tiny_llama(out, vocab=vocab)
+    build_tiny_llama(out, vocab=vocab, **model)
     if (out / "tokenizer.json").exists():
         return str(out)
     if sources is None:

@@ -107,9 +107,12 @@ def build_llm_config(
     return LLMConfig(**base, deployment_config=deployment)
 
 
-def build_app(model: str, **kwargs: Any) -> Any:
+def build_app(
+    model: str, *, ingress_options: Mapping[str, Any] | None = None, **kwargs: Any
+) -> Any:
     """A Ray Serve application serving ``model`` behind vLLM's OpenAI API, kvray on every
-    replica; deploy it with ``serve.run(app)``. Arguments: :func:`build_llm_config`.
+    replica; deploy it with ``serve.run(app)``. Arguments: :func:`build_llm_config`, and
+    ``ingress_options``: Serve options of the OpenAI ingress deployment (e.g. its CPUs).
 
     Needs Ray initialised (``ray.init`` / ``kvray.start``) so that kvray's connector backend
     is registered cluster-wide before the replicas start.
@@ -119,4 +122,9 @@ def build_app(model: str, **kwargs: Any) -> Any:
     from kvray.serving.backend import register_backend
 
     register_backend()
-    return build_openai_app({"llm_configs": [build_llm_config(model, **kwargs)]})
+    return build_openai_app(
+        {
+            "llm_configs": [build_llm_config(model, **kwargs)],
+            "ingress_deployment_config": dict(ingress_options or {}),
+        }
+    )
