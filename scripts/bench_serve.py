@@ -201,15 +201,15 @@ def main() -> None:
     size = {} if quick else {"hidden": 512, "layers": 6, "heads": 8, "kv_heads": 4}
     # KV per token: layers x kv_heads x head_dim x 2 (K, V) x 4 bytes (float32).
     per_token = (2 * 2 if quick else 6 * 4) * 64 * 2 * 4
-    kv_tokens = 2048  # about two conversations' worth: fewer than the conversations
+    kv_tokens = 2048  # one or two conversations' worth: fewer than the conversations
     engine_args = {
         "enforce_eager": True,
         "dtype": "float32",
         "block_size": 32,
-        "kv_cache_memory_bytes": kv_tokens * per_token,
-        "max_model_len": 4096,
+        "kv_cache_memory_bytes": (kv_tokens + 64) * per_token,
+        "max_model_len": kv_tokens,
         "max_num_seqs": 8,
-        "max_num_batched_tokens": 4096,
+        "max_num_batched_tokens": kv_tokens,
         "seed": 0,
         "enable_prompt_tokens_details": True,
     }

@@ -110,8 +110,8 @@ class KVRayRouter(RequestRouter):
         else:
             try:
                 held = await self.held_blocks(source)
-            except Exception:  # routing must not fail a request: fall back to load
-                logger.exception("KVRayRouter: prefix lookup failed")
+            except Exception as e:  # routing must not fail a request: fall back to load
+                logger.warning("KVRayRouter: prefix lookup failed: %s: %s", type(e).__name__, e)
                 self._count("error")
         if held:
             best = max(held.get(r.node_id, 0) for r in candidate_replicas)
