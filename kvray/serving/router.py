@@ -23,6 +23,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from kvray.config import ConfigError
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of, token_ids_of
 from kvray.serving.tokenize import EngineTokenizer
 from kvray.serving.view import KeySpaceCache, decision_metric, held_blocks_by_node, shared_store
@@ -49,11 +50,13 @@ class KVRayRouter(RequestRouter):
         tokenizer of text and chat prompts; without them only token-id prompts are routed by
         prefix."""
         if not isinstance(namespace, str) or not namespace:
-            raise ValueError(f"KVRayRouter: invalid namespace {namespace!r}")
-        if isinstance(imbalanced_threshold, bool) or not isinstance(imbalanced_threshold, int):
-            raise ValueError(f"KVRayRouter: imbalanced_threshold={imbalanced_threshold!r}")
-        if imbalanced_threshold < 0 or min_blocks < 1:
-            raise ValueError("KVRayRouter: imbalanced_threshold >= 0 and min_blocks >= 1")
+            raise ConfigError("namespace", namespace, "KVRayRouter needs a kvray namespace")
+        for name, value, low in (
+            ("imbalanced_threshold", imbalanced_threshold, 0),
+            ("min_blocks", min_blocks, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(name, value, f"KVRayRouter expects an integer >= {low}")
         self._namespace = namespace
         self._imbalanced_threshold = imbalanced_threshold
         self._min_blocks = min_blocks
