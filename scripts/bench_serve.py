@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -262,6 +263,7 @@ def main() -> None:
         kvray.stop(ns)
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
 
     def med(router: str, key: str) -> float:
         return statistics.median(r[key] for r in results[router])
