@@ -28,6 +28,7 @@ import numpy as np
 import ray
 import xxhash
 
+from kvray.actors.join import local_node_id
 from kvray.actors.types import RAY_NAMESPACE, LeaseReply, PutResult, pool_name
 from kvray.config import KVRayConfig
 from kvray.errors import StoreUnavailableError
@@ -77,7 +78,7 @@ class BlockIO:
 
     def __init__(self, config: KVRayConfig, tally: ClientTally | None = None) -> None:
         self.config = config
-        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_id = local_node_id()
         self.tally = tally or ClientTally(config.namespace)
         self._handles: dict[str, Any] = {}
         self._closed = threading.Event()

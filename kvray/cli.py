@@ -171,7 +171,7 @@ def monitor(
     import signal
 
     from kvray import monitor as monitor_mod
-    from kvray.actors.deploy import ensure_ray
+    from kvray.actors.join import ensure_ray
 
     if scrape_interval is not None and not 0.1 <= scrape_interval <= 3600:
         _fail(f"invalid --scrape-interval {scrape_interval!r}: expected 0.1 to 3600 seconds")
@@ -235,31 +235,74 @@ def serve(
     model: Annotated[str, typer.Argument(help="model path or name for vLLM")],
     address: Address = None,
     namespace: Namespace = "default",
+    replicas: Annotated[int, typer.Option(help="vLLM replicas (Ray Serve LLM deployment)")] = 2,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="name clients send as 'model' (default: MODEL)")
+    ] = None,
     capacity: Annotated[str, typer.Option(help="KV bytes per node, e.g. 8GiB")] = "1GiB",
     host: Annotated[str, typer.Option(help="HTTP bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
+    num_cpus: Annotated[float, typer.Option(help="CPUs per replica")] = 1,
     num_gpus: Annotated[float, typer.Option(help="GPUs per replica (0 on CPU)")] = 0,
+    router: Annotated[
+        str, typer.Option(help="request router: kvray, prefix (Ray's) or pow2 (Serve's default)")
+    ] = "kvray",
     engine_arg: Annotated[
         list[str] | None,
         typer.Option(help="vLLM engine argument key=value (repeatable), e.g. max_model_len=4096"),
     ] = None,
 ) -> None:
-    """One vLLM engine per node with kvray, prefix-aware routing, OpenAI-style HTTP."""
+    """vLLM's OpenAI server on Ray Serve LLM, kvray on every replica, routed by kvray."""
     from kvray.actors.join import ensure_ray
-    from kvray.serve import run_http, start_serving
 
     cfg = _config(namespace, address, capacity=capacity)
     _run(ensure_ray, cfg.address)
     args = _engine_args(engine_arg or [])
-    with console.status("starting one vLLM replica per node"):
-        handle = _run(start_serving, model, config=cfg, engine_args=args, num_gpus=num_gpus)
+    _run(
+        _serve_until_interrupted,
+        model,
+        cfg,
+        host,
+        port,
+        replicas=replicas,
+        served_model_name=served_model_name,
+        engine_args=args,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        router=router,
+    )
+
+
+def _serve_until_interrupted(
+    model: str, cfg: KVRayConfig, host: str, port: int, **app_args: Any
+) -> None:
+    """Start kvray and the app, print where it listens, block; Ctrl-C removes the app."""
+    import time
+
+    from ray import serve
+
+    import kvray
+    from kvray.serve import build_app
+
+    app_obj = build_app(model, namespace=cfg.namespace, **app_args)  # validates first
+    kvray.start(cfg)
+    serve.start(http_options={"host": host, "port": port})
+    name = f"kvray-{cfg.namespace}"
+    with console.status(f"starting {app_args['replicas']} vLLM replica(s) on Ray Serve LLM"):
+        try:
+            serve.run(app_obj, name=name, route_prefix="/")
+        except RuntimeError as e:  # Serve's "deployment failed", with the replica's error
+            raise KVRayError(f"kvray serve: the app did not start: {e}") from e
+    served = app_args.get("served_model_name") or model
     console.print(
-        f"kvray serve: {len(handle.replicas)} replica(s); POST http://{host}:{port}/v1/completions"
+        f"kvray serve: {app_args['replicas']} replica(s) of [bold]{served}[/] at "
+        f"http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)"
     )
     try:
-        run_http(handle, host=host, port=port)
+        while True:
+            time.sleep(3600)
     finally:
-        handle.shutdown()
+        serve.delete(name)
 
 
 def _fail_fast_on_refused_connections() -> None:

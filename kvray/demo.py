@@ -27,7 +27,6 @@ from rich.table import Table
 
 import kvray
 from kvray.config import format_bytes
-from kvray.serve import EngineReplica
 
 NAMESPACE = "demo"
 BLOCK_SIZE = 32
@@ -63,6 +62,49 @@ def build_random_llama(path: str, *, target_mb: int = 60, seed: int = 0) -> str:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@ray.remote
+class DemoEngine:
+    """One vLLM engine (in-process mode) with kvray on, inside its own Ray actor process."""
+
+    def __init__(self, model: str, engine_args: dict[str, Any], extra_config: dict[str, Any]):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self._llm = LLM(
+            model=model,
+            distributed_executor_backend="uni",
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVRayConnector",
+                kv_connector_module_path="kvray.connector",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config=extra_config,
+            ),
+            **engine_args,
+        )
+
+    def close(self) -> None:
+        """Shut the engine down cleanly: the connector finishes the saves still in flight."""
+        self._llm.llm_engine.engine_core.shutdown()
+
+    def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        from vllm import SamplingParams, TokensPrompt
+
+        t0 = time.perf_counter()
+        (out,) = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt_token_ids))],
+            SamplingParams(**sampling),
+            use_tqdm=False,
+        )
+        seconds = time.perf_counter() - t0
+        return {
+            "token_ids": list(out.outputs[0].token_ids),
+            "num_cached_tokens": int(out.num_cached_tokens or 0),
+            "seconds": seconds,
+        }
 
 
 @dataclass
@@ -177,12 +219,12 @@ def _vllm_demo(
     }
     extra = {"namespace": NAMESPACE}
     progress.update(step, description="starting vLLM engine A (its own process)")
-    a = EngineReplica.options(num_cpus=1).remote(model, engine_args, extra)  # type: ignore[attr-defined]
+    a = DemoEngine.options(num_cpus=1).remote(model, engine_args, extra)  # type: ignore[attr-defined]
     r1 = _round(a, round1)
     ray.get(a.close.remote(), timeout=120)
     ray.kill(a)
     progress.update(step, description="starting vLLM engine B (a fresh process)")
-    b = EngineReplica.options(num_cpus=1).remote(model, engine_args, extra)  # type: ignore[attr-defined]
+    b = DemoEngine.options(num_cpus=1).remote(model, engine_args, extra)  # type: ignore[attr-defined]
     progress.update(step, description="round 2 on engine B: prefixes load from kvray")
     r2 = _round(b, round2)
     ray.get(b.close.remote(), timeout=120)

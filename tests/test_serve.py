@@ -1,138 +1,458 @@
-"""``kvray serve`` on simulated nodes: a request served on node B hits blocks stored by node A."""
+"""Serving on Ray Serve LLM: one real app (2 replicas, vLLM on CPU, kvray) for the module.
+
+Requests go through the real ``openai`` client over Serve's HTTP proxy, or through a
+``DeploymentHandle`` to the LLM deployment when a test must know (or pick) the replica: its
+``choose_replica`` runs the deployment's real request router (``KVRayRouter``) in this process.
+
+On this single-host test cluster, vLLM's EngineCore and worker processes (children of a Serve
+replica, not Ray workers) join Ray as drivers attached to the head node, so their saves land in
+the head node's pool whatever node the replica runs on; the routing tests therefore place their
+blocks on a replica's node explicitly, from a task pinned there.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
+import random
+import socket
 import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
+import uuid
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 pytest.importorskip("vllm")
+pytest.importorskip("ray.serve.llm")
 
-from vllm_helpers import BLOCK_SIZE, build_tiny_llama, engine_kwargs, make_prompts
+from vllm_helpers import BLOCK_SIZE, build_text_model
 
-from kvray.config import KVRayConfig
-from kvray.serve import ServeHandle, make_app, start_serving
+import kvray
+from kvray.registry import KeySpaceInfo, clear_key_spaces, key_spaces, publish_key_space
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+APP = "kvray-test"
+MODEL = "tiny"
+VOCAB = 2048
+ENGINE_ARGS: dict[str, Any] = {
+    "enforce_eager": True,
+    "dtype": "float32",
+    "block_size": BLOCK_SIZE,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_model_len": 2048,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 2048,
+    "seed": 0,
+    "enable_prompt_tokens_details": True,
+}
 
-def _node_with(resource: str) -> str:
-    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+
+@dataclass
+class Served:
+    namespace: str
+    model_path: str
+    base_url: str
+    handle: Any
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 300) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def client(self, timeout: float = 120) -> Any:
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key="unused", timeout=timeout, max_retries=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
-def serving(
-    ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ServeHandle, str, str]]:
-    import uuid
+def served(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from ray import serve
 
-    import kvray
+    from kvray.serve import build_app
 
-    model = build_tiny_llama(tmp_path_factory.mktemp("serve") / "model")
+    model = build_text_model(tmp_path_factory.mktemp("serve") / "model", vocab=VOCAB)
     ns = f"serve{uuid.uuid4().hex[:6]}"
-    args = engine_kwargs(model)
-    args.pop("model")
-    node_a, node_b = _node_with("node_a"), _node_with("node_b")
-    handle = start_serving(
-        model,
-        config=KVRayConfig(namespace=ns, capacity="64MiB"),
-        engine_args=args,
-        node_ids=[node_a, node_b],
-    )
-    try:
-        yield handle, node_a, node_b
-    finally:
-        handle.shutdown()
-        kvray.stop(ns)
-
-
-def _wait_cached(handle: ServeHandle, tokens: list[int], node: str, blocks: int) -> None:
-    deadline = time.monotonic() + 30
-    while handle.cached_blocks(tokens)[node] < blocks:
-        assert time.monotonic() < deadline, f"node never held {blocks} blocks of the prompt"
-        time.sleep(0.1)
-
-
-def test_request_on_node_b_loads_blocks_stored_by_node_a(
-    serving: tuple[ServeHandle, str, str],
-) -> None:
-    handle, node_a, node_b = serving
-    p1, p2, p3 = make_prompts(3, prefix_len=6 * BLOCK_SIZE, suffix_len=20, seed=11)
-    sampling = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
-    first = handle.generate(p1, sampling, node_id=node_a)
-    assert first["node_id"] == node_a
-    assert first["num_cached_tokens"] == 0
-    _wait_cached(handle, p2, node_a, 6)
-    assert handle.cached_blocks(p2)[node_b] == 0
-    # Node B has never seen the prefix: it loads it from node A's pool.
-    on_b = handle.generate(p2, sampling, node_id=node_b)
-    assert on_b["node_id"] == node_b
-    assert on_b["num_cached_tokens"] >= 6 * BLOCK_SIZE
-    # Same request on node A (vLLM's own prefix cache there): identical tokens.
-    on_a = handle.generate(p2, sampling, node_id=node_a)
-    assert on_a["token_ids"] == on_b["token_ids"]
-    # Without a forced node the router sends the shared prefix to a holder of its blocks.
-    routed = handle.generate(p3, sampling)
-    assert routed["node_id"] == handle.route(p3)
-    assert routed["node_id"] in (node_a, node_b)
-    assert routed["num_cached_tokens"] >= 6 * BLOCK_SIZE
-
-
-def test_router_prefers_the_node_holding_the_prefix(serving: tuple[ServeHandle, str, str]) -> None:
-    handle, node_a, node_b = serving
-    (p1, p2) = make_prompts(2, prefix_len=4 * BLOCK_SIZE, suffix_len=10, seed=23)
-    handle.generate(p1, {"max_tokens": 2}, node_id=node_b)
-    _wait_cached(handle, p2, node_b, 4)
-    assert handle.cached_blocks(p2) == {node_a: 0, node_b: 4}
-    assert handle.route(p2) == node_b
-
-
-def test_openai_style_http_endpoint(serving: tuple[ServeHandle, str, str]) -> None:
-    from aiohttp import web
-
-    handle, _, _ = serving
+    kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
+    port = _free_port()
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(handle))
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
     try:
-        (prompt,) = make_prompts(1, prefix_len=2 * BLOCK_SIZE, suffix_len=3, seed=31)
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 3, "temperature": 0.0}
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+        app = build_app(
+            model,
+            namespace=ns,
+            replicas=2,
+            served_model_name=MODEL,
+            engine_args=ENGINE_ARGS,
+            num_cpus=2,  # a whole simulated node each: the replicas land on two nodes
         )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            out = json.loads(resp.read())
-        assert out["object"] == "text_completion"
-        assert len(out["choices"][0]["token_ids"]) == 3
-        assert out["usage"]["prompt_tokens"] == len(prompt)
-        bad = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=json.dumps({"prompt": "text"}).encode(),
-            headers={"Content-Type": "application/json"},
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app, name=APP, route_prefix="/", blocking=False)
+        _wait_running(APP, timeout=600)
+        handle = serve.get_deployment_handle(f"LLMServer:{MODEL}", APP).options(
+            stream=True, method_name="completions"
         )
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(bad, timeout=30)
-        assert info.value.code == 400
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
-            assert Path(json.loads(resp.read())["data"][0]["id"]).name == "model"
+        yield Served(ns, model, f"http://127.0.0.1:{port}/v1", handle, loop)
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.run_until_complete(runner.cleanup())
+        serve.shutdown()  # gives the CPUs back to later tests
         loop.close()
+        kvray.stop(ns)
+        clear_key_spaces(ns)
+
+
+def _wait_running(app: str, timeout: float) -> None:
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    deadline = time.monotonic() + timeout
+    while True:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == ApplicationStatus.RUNNING:
+            return
+        if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"app failed to deploy: {status.message}")
+        assert time.monotonic() < deadline, f"app not running after {timeout} s: {status}"
+        time.sleep(1)
+
+
+def _token_prompt(n_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n_tokens)]
+
+
+def _completion(prompt: Any, **kw: Any) -> Any:
+    from ray.serve.llm.openai_api_models import CompletionRequest
+
+    return CompletionRequest(model=MODEL, prompt=prompt, temperature=0.0, **kw)
+
+
+async def _collect(gen: Any) -> Any:
+    """The one response of a non-streaming call through the handle (or its error)."""
+    out = [chunk async for chunk in gen]
+    assert len(out) == 1, out
+    return out[0]
+
+
+def _hasher(ns: str) -> Any:
+    from kvray.serving.view import KeySpaceCache
+
+    hasher = KeySpaceCache(ns).hasher(MODEL)
+    assert hasher is not None, "no engine published its key space"
+    return hasher
+
+
+def _held(store: kvray.Store, ns: str, tokens: list[int]) -> dict[str, int]:
+    from kvray.serving.view import held_blocks_by_node
+
+    hasher = _hasher(ns)
+    keys = hasher.keys_per_shard(hasher.block_hashes(tokens))
+    return held_blocks_by_node(store.prefix_by_node, keys)
+
+
+def _wait_held(store: kvray.Store, ns: str, tokens: list[int], blocks: int) -> dict[str, int]:
+    deadline = time.monotonic() + 30
+    while True:
+        store.sync()
+        held = _held(store, ns, tokens)
+        if max(held.values(), default=0) >= blocks:
+            return held
+        assert time.monotonic() < deadline, f"kvray never held {blocks} blocks: {held}"
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------- the OpenAI API
+
+
+def test_models_text_chat_batch_and_n(served: Served) -> None:
+    client = served.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    text = client.completions.create(
+        model=MODEL, prompt="def add(a, b):\n    return", max_tokens=6, temperature=0
+    )
+    assert text.object == "text_completion"
+    assert len(text.choices) == 1 and text.choices[0].text
+    assert text.usage.completion_tokens == 6
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "import os\nprint(os.getcwd())"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content
+    assert chat.usage.completion_tokens == 5
+    prompts = ["class A:", "def f(x):", "for i in range(3):"]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, temperature=0)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2]
+    assert all(c.text for c in batch.choices)
+    two = client.completions.create(
+        model=MODEL, prompt="x = 1", max_tokens=4, n=2, temperature=0.8, seed=1
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    ids = client.completions.create(
+        model=MODEL, prompt=_token_prompt(40, seed=5), max_tokens=3, temperature=0
+    )
+    assert ids.usage.prompt_tokens == 40
+
+
+def test_streaming_equals_the_non_streamed_text(served: Served) -> None:
+    client = served.client()
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": "def main():\n    args = parse()\n",
+        "max_tokens": 12,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
+    assert len(chunks) > 1
+    assert "".join(chunks) == whole
+
+
+def test_a_bad_request_gets_vllms_error_not_a_hang(served: Served) -> None:
+    from openai import BadRequestError
+
+    client = served.client(timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=_token_prompt(3000, seed=9), max_tokens=4)
+    assert "maximum context length" in str(info.value)
+    assert time.monotonic() - t0 < 60
+
+
+# ---------------------------------------------------------------- kvray across replicas
+
+
+def test_prefix_computed_on_one_replica_is_loaded_from_kvray_by_the_other(
+    served: Served,
+) -> None:
+    """Both requests are placed before any block is in kvray (the router sees no prefix), on
+    two different replicas; the second runs only once kvray holds the first's blocks."""
+    prefix = _token_prompt(6 * BLOCK_SIZE, seed=11)
+    first = prefix + _token_prompt(20, seed=12)
+    second = prefix + _token_prompt(20, seed=13)
+    store = kvray.connect(served.namespace)
+    try:
+
+        async def scenario() -> tuple[str, str, Any, Any]:
+            h = served.handle
+            req1, req2 = _completion(first, max_tokens=4), _completion(second, max_tokens=4)
+            async with h.choose_replica(req1, None) as sel1:
+                for _ in range(20):
+                    async with h.choose_replica(req2, None) as sel2:
+                        if sel2.replica_id == sel1.replica_id:
+                            continue
+                        out1 = await _collect(h.dispatch(sel1, req1, None))
+                        hits0 = store.stats()["totals"]["hits"]
+                        await asyncio.to_thread(_wait_held, store, served.namespace, first, 6)
+                        out2 = await _collect(h.dispatch(sel2, req2, None))
+                        hits = store.stats()["totals"]["hits"] - hits0
+                        return sel1.replica_id, sel2.replica_id, (out1, out2), hits
+            raise AssertionError("the router never offered the second replica")
+
+        r1, r2, (out1, out2), hits = served.run(scenario())
+    finally:
+        store.close()
+    assert r1 != r2
+    assert out1.usage.prompt_tokens_details.cached_tokens == 0
+    # The second replica never saw the prefix: its 6 blocks came from kvray.
+    assert out2.usage.prompt_tokens_details.cached_tokens >= 6 * BLOCK_SIZE
+    assert hits >= 6
+
+
+def test_router_hashes_text_and_chat_like_the_engine(served: Served) -> None:
+    """Keys the router derives from a text (and a chat) request are the keys the engine
+    stored: the router's tokenizer renders and its hasher chains blocks exactly as vLLM."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest
+
+    from kvray.serving.prompts import prompt_of, token_ids_of
+    from kvray.serving.tokenize import EngineTokenizer
+
+    client = served.client()
+    text = "".join(f"value_{i} = compute({i}, cache=True)\n" for i in range(40))
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": "and then?"}]
+    client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    engine = {**ENGINE_ARGS, "model": served.model_path, "served_model_name": [MODEL]}
+    tokenizer = EngineTokenizer(engine)
+    chat = ChatCompletionRequest(model=MODEL, messages=messages, max_tokens=1)
+    store = kvray.connect(served.namespace)
+    try:
+        for request in (_completion(text, max_tokens=1), chat):
+            source = prompt_of(request)
+            assert source is not None
+            tokens = served.run(token_ids_of(source, tokenizer))
+            assert tokens is not None and len(tokens) >= 4 * BLOCK_SIZE
+            _wait_held(store, served.namespace, tokens, len(tokens) // BLOCK_SIZE)
+    finally:
+        store.close()
+
+
+@ray.remote(num_cpus=0)
+def _seed_blocks(namespace: str, keys: list[list[bytes]]) -> str:
+    """Store blocks under ``keys`` from this task's node (its pool)."""
+    store = kvray.connect(namespace)
+    try:
+        for shard in keys:
+            blocks = [np.zeros(4096, np.uint8) for _ in shard]
+            assert store.put(shard, blocks).result(timeout=60).stored == len(shard)
+    finally:
+        store.close()
+    return ray.get_runtime_context().get_node_id()
+
+
+def _replica_nodes(served: Served) -> dict[str, str]:
+    """replica id -> node id, from the router's own picks of cold prompts."""
+
+    async def pick(i: int) -> tuple[str, str]:
+        req = _completion(_token_prompt(8, seed=1000 + i), max_tokens=1)
+        async with served.handle.choose_replica(req, None) as sel:
+            return sel.replica_id, sel.node_id
+
+    nodes: dict[str, str] = {}
+    for i in range(40):
+        rid, node = served.run(pick(i))
+        nodes[rid] = node
+        if len(nodes) == 2:
+            return nodes
+    raise AssertionError(f"found {len(nodes)} replica(s)")
+
+
+def test_router_sends_a_prompt_to_the_replica_on_the_node_holding_its_prefix(
+    served: Served,
+) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = _replica_nodes(served)
+    assert len(set(nodes.values())) == 2, "two CPUs each spread the replicas"
+    hasher = _hasher(served.namespace)
+    store = kvray.connect(served.namespace)
+    try:
+        for n, (rid, node) in enumerate(sorted(nodes.items()) * 2):
+            prompt = _token_prompt(5 * BLOCK_SIZE + 7, seed=2000 + n)
+            keys = hasher.keys_per_shard(hasher.block_hashes(prompt))
+            pinned = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            assert (
+                ray.get(
+                    _seed_blocks.options(scheduling_strategy=pinned).remote(served.namespace, keys),
+                    timeout=120,
+                )
+                == node
+            )
+            store.sync()
+            assert _held(store, served.namespace, prompt)[node] == 5
+
+            async def pick(p: list[int] = prompt) -> tuple[str, str]:
+                async with served.handle.choose_replica(_completion(p, max_tokens=1), None) as s:
+                    return s.replica_id, s.node_id
+
+            assert served.run(pick()) == (rid, node)
+            # Never piled on one replica: with enough requests held there, the rest go on.
+            if n == 0:
+                assert _spills_over(served, prompt, rid)
+    finally:
+        store.close()
+
+
+def _spills_over(served: Served, prompt: list[int], preferred: str) -> bool:
+    """Hold requests for ``prompt`` open until one goes to another replica than
+    ``preferred``: True if that happens within the router's imbalance threshold (+ slack)."""
+
+    async def hold() -> bool:
+        from contextlib import AsyncExitStack
+
+        async with AsyncExitStack() as stack:
+            for _ in range(10):
+                sel = await stack.enter_async_context(
+                    served.handle.choose_replica(_completion(prompt, max_tokens=1), None)
+                )
+                if sel.replica_id != preferred:
+                    return True
+        return False
+
+    return bool(served.run(hold()))
+
+
+# ---------------------------------------------------------------- registry and backend
+
+
+def test_key_space_registry_round_trip(ray_cluster: Cluster) -> None:
+    ns = f"reg{uuid.uuid4().hex[:6]}"
+    node = ray.get_runtime_context().get_node_id()
+    info = KeySpaceInfo("m/path", 32, "sha256", [b"p0", b"p1"], node, served_model_names=["m"])
+    publish_key_space(ns, info)
+    publish_key_space(ns, KeySpaceInfo("m/path", 32, "sha256", [b"p0", b"p1"], node))  # same key
+    publish_key_space(ns, KeySpaceInfo("other", 16, "sha256", [b"q"], node))
+    try:
+        assert len(key_spaces(ns)) == 2  # one record per model, layout and node
+        (got,) = key_spaces(ns, "m/path")
+        assert got.key_prefixes == [b"p0", b"p1"] and got.block_size == 32
+        assert key_spaces(ns, "other")[0].block_size == 16
+        assert key_spaces(ns, "nope") == []
+        with pytest.raises(ValueError, match="key_prefixes"):
+            KeySpaceInfo("m", 32, "sha256", [], node)
+    finally:
+        assert clear_key_spaces(ns) == 2
+    assert key_spaces(ns) == []
+
+
+def test_backend_is_registered_and_fills_in_the_connector(served: Served) -> None:
+    """The app was built naming only ``KVRayConnector``: the backend added the rest (vLLM could
+    not have loaded the connector otherwise), and every process resolves it by name."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import (
+        KVConnectorBackendFactory,
+    )
+
+    from kvray.serving.backend import KVRayConnectorBackend
+
+    assert KVConnectorBackendFactory.get_backend_class("KVRayConnector") is KVRayConnectorBackend
+    infos = key_spaces(served.namespace, MODEL)
+    assert infos and all(i.model == served.model_path for i in infos)
+    assert infos[0].block_size == BLOCK_SIZE and infos[0].hash_algo == "sha256"
+
+
+def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
+    from kvray.config import ConfigError
+    from kvray.serving.app import build_llm_config
+    from kvray.serving.backend import KVRayConnectorBackend
+
+    cfg = build_llm_config("/models/m", namespace="ns1", router="pow2")
+    KVRayConnectorBackend(cfg).setup()
+    ktc = cfg.engine_kwargs["kv_transfer_config"]
+    assert ktc["kv_connector_module_path"] == "kvray.connector"
+    assert ktc["kv_role"] == "kv_both" and ktc["kv_load_failure_policy"] == "recompute"
+    extra = ktc["kv_connector_extra_config"]
+    assert extra["namespace"] == "ns1"
+    assert extra["address"] == ray.get_runtime_context().gcs_address
+    bad = build_llm_config("/models/m", router="pow2")
+    bad.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]["capacty"] = "1GiB"
+    with pytest.raises(ConfigError, match="capacty"):
+        KVRayConnectorBackend(bad).setup()
+
+
+def test_cli_serve_refuses_bad_arguments_in_one_line(ray_cluster: Cluster) -> None:
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+
+    runner = CliRunner()
+    bad_router = runner.invoke(app, ["serve", "/models/m", "--router", "fastest"])
+    assert bad_router.exit_code == 1
+    assert "invalid router='fastest'" in bad_router.output
+    assert "Traceback" not in bad_router.output
+    bad_arg = runner.invoke(app, ["serve", "/models/m", "--engine-arg", "max_model_len"])
+    assert bad_arg.exit_code == 1
+    assert "--engine-arg expects key=value" in bad_arg.output
+    reserved = runner.invoke(app, ["serve", "/models/m", "--engine-arg", "model=other"])
+    assert reserved.exit_code == 1 and "set by build_app" in reserved.output

@@ -328,3 +328,57 @@ def engine_actor(**options: Any) -> Any:
             close_llm(self.llm)
 
     return EngineActor
+
+
+#: A small chat template for the test tokenizer: one line per message, then the assistant cue.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_text_model(
+    path: str | os.PathLike[str],
+    *,
+    vocab: int = 2048,
+    sources: Sequence[str] | None = None,
+    **model: Any,
+) -> str:
+    """A random float32 Llama with a real tokenizer next to it (text, chat and streaming work).
+
+    No hub is reachable, so a byte-level BPE of ``vocab`` tokens is trained offline on local
+    ``.py`` files (vLLM's and this repository's by default), wrapped in a
+    ``PreTrainedTokenizerFast`` with ``<pad>``/``<s>``/``</s>`` (ids 0, 1, 2 as the model's
+    config says) and :data:`CHAT_TEMPLATE`, and saved next to the model, whose vocabulary is
+    the tokenizer's; ``model`` goes to :func:`build_tiny_llama` (sizes). Idempotent like it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(path)
+    build_tiny_llama(out, vocab=vocab, **model)
+    if (out / "tokenizer.json").exists():
+        return str(out)
+    if sources is None:
+        import vllm
+
+        roots = [Path(vllm.__file__).parent / "entrypoints", Path(__file__).parent.parent]
+        sources = sorted(str(p) for r in roots for p in r.rglob("*.py"))[:400]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(list(sources), trainer)
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, wanted {vocab}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return str(out)

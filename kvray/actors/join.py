@@ -10,7 +10,21 @@ import ray
 from kvray.actors.types import RAY_NAMESPACE
 from kvray.errors import StoreUnavailableError
 
-__all__ = ["ensure_ray"]
+__all__ = ["ensure_ray", "local_node_id"]
+
+#: Names the node whose pool this process writes to, over Ray's own answer.
+NODE_ENV = "KVRAY_NODE_ID"
+
+
+def local_node_id() -> str:
+    """This process's node, whose pool its puts go to.
+
+    Ray's answer, unless ``KVRAY_NODE_ID`` says otherwise: a process that joins with
+    ``ray.init(address=...)`` is attached to one raylet of its host, which on a host running
+    several raylets (a simulated multi-node cluster) need not be the node of the Ray actor that
+    started it. kvray's Ray Serve backend sets it in each replica, so vLLM's engine processes
+    write to their replica's node."""
+    return os.environ.get(NODE_ENV) or ray.get_runtime_context().get_node_id()
 
 
 def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None:

@@ -93,6 +93,26 @@ def _layout_hint(vllm_config: VllmConfig, key_space: EngineKeySpace) -> str | No
     return name
 
 
+def _publish_key_space(config: KVRayConfig, ks: EngineKeySpace, vllm_config: VllmConfig) -> None:
+    """Tell routers how to compute this engine's keys (:mod:`kvray.registry`)."""
+    import os
+
+    from kvray.actors.join import local_node_id
+    from kvray.registry import KeySpaceInfo, publish_key_space
+
+    m = vllm_config.model_config
+    info = KeySpaceInfo(
+        m.model,
+        ks.block_size,
+        ks.base.hash_algo,
+        [ks.prefix],
+        node_id=local_node_id(),
+        hash_seed=os.getenv("PYTHONHASHSEED"),
+        served_model_names=[str(m.served_model_name or m.model)],
+    )
+    publish_key_space(config.namespace, info)
+
+
 def _tp_rank(vllm_config: VllmConfig) -> int:
     """This worker's tensor-parallel rank, from vLLM's initialised parallel state.
 
@@ -166,6 +186,7 @@ class KVRayConnector(KVConnectorBase_V1):
                 self.manager,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
             )
+            _publish_key_space(self.config, self.key_space, vllm_config)
         else:
             self.connector_worker = KVRayConnectorWorker(
                 self.config,

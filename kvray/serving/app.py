@@ -1,0 +1,130 @@
+"""``build_app``: a Ray Serve LLM OpenAI app with kvray's connector on every replica.
+
+Everything vLLM's OpenAI server offers comes with it (text and token-id prompts, chat,
+streaming, batched prompts, ``n``, ``stop``, continuous batching, ``/v1/models``) plus Serve's
+autoscaling and metrics. kvray adds its connector backend (registered here, see
+:mod:`kvray.serving.backend`) and, by default, :class:`~kvray.serving.router.KVRayRouter`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from kvray.config import ConfigError, KVRayConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ROUTERS", "build_app", "build_llm_config"]
+
+Router = Literal["kvray", "prefix", "pow2"]
+ROUTERS: tuple[str, ...] = ("kvray", "prefix", "pow2")
+_RESERVED = ("model", "served_model_name", "kv_transfer_config")
+
+
+def build_llm_config(
+    model: str,
+    *,
+    namespace: str = "default",
+    replicas: int = 2,
+    served_model_name: str | None = None,
+    engine_args: Mapping[str, Any] | None = None,
+    kvray_config: Mapping[str, Any] | None = None,
+    router: Router = "kvray",
+    router_kwargs: Mapping[str, Any] | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    deployment_config: Mapping[str, Any] | None = None,
+    runtime_env: Mapping[str, Any] | None = None,
+) -> Any:
+    """The ``LLMConfig`` of :func:`build_app` (to combine with other models, or to inspect).
+
+    ``engine_args`` are vLLM's engine arguments (``max_model_len``, ``block_size``...).
+    ``kvray_config``: extra kvray connector settings (``kv_connector_extra_config``).
+    ``router``: ``kvray`` (:class:`KVRayRouter`), ``prefix`` (Ray's
+    ``PrefixCacheAffinityRouter``) or ``pow2`` (Serve's default power of two choices).
+    Each replica (its engine processes included) takes ``num_cpus`` CPUs and ``num_gpus`` GPUs,
+    one placement-group bundle; replicas that take a whole node's CPUs land on distinct nodes.
+    """
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.llm import LLMConfig
+
+    if not isinstance(model, str) or not model:
+        raise ConfigError("model", model, "expected a model path or name")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError("replicas", replicas, "expected an integer >= 1")
+    if router not in ROUTERS:
+        raise ConfigError("router", router, f"choose one of {ROUTERS}")
+    if num_cpus < 0 or num_gpus < 0 or num_cpus + num_gpus <= 0:
+        raise ConfigError("num_cpus", num_cpus, "replicas need CPUs or GPUs (both >= 0)")
+    args = dict(engine_args or {})
+    for key in _RESERVED:
+        if key in args:
+            raise ConfigError(f"engine_args.{key}", args[key], "set by build_app")
+    extra = {"namespace": namespace, **dict(kvray_config or {})}
+    cfg = KVRayConfig.from_dict(extra)  # validate now, not in every replica
+    if cfg.namespace != namespace:
+        raise ConfigError("kvray_config.namespace", cfg.namespace, "use the namespace argument")
+    args["kv_transfer_config"] = {
+        "kv_connector": "KVRayConnector",
+        "kv_connector_extra_config": extra,
+    }
+    bundle: dict[str, float] = {"CPU": num_cpus}
+    if num_gpus:
+        bundle["GPU"] = num_gpus
+    served = served_model_name or model
+    base: dict[str, Any] = {
+        "model_loading_config": {"model_id": served, "model_source": model},
+        "engine_kwargs": args,
+        "placement_group_config": {"bundles": [bundle]},
+    }
+    if runtime_env:
+        base["runtime_env"] = dict(runtime_env)
+    deployment: dict[str, Any] = {"num_replicas": replicas, **dict(deployment_config or {})}
+    # The replica actor itself takes nothing: the bundle is the replica's whole share.
+    deployment.setdefault("ray_actor_options", {}).setdefault("num_cpus", 0)
+    if router == "kvray":
+        from kvray.serving.router import KVRayRouter
+
+        engine = {k: v for k, v in args.items() if k != "kv_transfer_config"}
+        engine.update(model=model, served_model_name=[served])
+        deployment["request_router_config"] = RequestRouterConfig(
+            request_router_class=KVRayRouter,
+            request_router_kwargs={
+                "namespace": namespace,
+                "engine_kwargs": engine,
+                **dict(router_kwargs or {}),
+            },
+        )
+    elif router == "prefix":
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+        deployment["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixCacheAffinityRouter,
+            request_router_kwargs=dict(router_kwargs or {}),
+        )
+    return LLMConfig(**base, deployment_config=deployment)
+
+
+def build_app(
+    model: str, *, ingress_options: Mapping[str, Any] | None = None, **kwargs: Any
+) -> Any:
+    """A Ray Serve application serving ``model`` behind vLLM's OpenAI API, kvray on every
+    replica; deploy it with ``serve.run(app)``. Arguments: :func:`build_llm_config`, and
+    ``ingress_options``: Serve options of the OpenAI ingress deployment (e.g. its CPUs).
+
+    Needs Ray initialised (``ray.init`` / ``kvray.start``) so that kvray's connector backend
+    is registered cluster-wide before the replicas start.
+    """
+    from ray.serve.llm import build_openai_app
+
+    from kvray.serving.backend import register_backend
+
+    register_backend()
+    return build_openai_app(
+        {
+            "llm_configs": [build_llm_config(model, **kwargs)],
+            "ingress_deployment_config": dict(ingress_options or {}),
+        }
+    )

@@ -1,0 +1,72 @@
+"""kvray as a Ray Serve LLM connector backend: a user only names ``KVRayConnector``.
+
+Ray Serve LLM looks the ``kv_connector`` of ``engine_kwargs["kv_transfer_config"]`` up in its
+connector-backend factory and calls the backend's ``setup()`` in every replica before the
+engine starts. kvray's backend fills in what vLLM and kvray need in that replica: where the
+connector class lives, its role, recompute on a failed load, the kvray namespace, and the Ray
+cluster address, so that vLLM's EngineCore and worker processes (children of the replica, not
+Ray workers themselves) join the replica's cluster. The extra config is validated there, so a
+bad key stops the replica with kvray's own message instead of an engine half started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
+    BaseConnectorBackend,
+    DefaultPDProtocolMixin,
+)
+from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+from kvray.actors.join import NODE_ENV
+from kvray.config import ConfigError, KVRayConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CONNECTOR_NAME", "KVRayConnectorBackend", "register_backend"]
+
+#: The ``kv_connector`` name users write.
+CONNECTOR_NAME = "KVRayConnector"
+#: Where vLLM imports the connector class from.
+CONNECTOR_MODULE = "kvray.connector"
+
+
+class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
+    """Per-replica setup of kvray's connector inside Ray Serve LLM."""
+
+    def setup(self) -> None:
+        import ray
+
+        ktc: dict[str, Any] = self.kv_transfer_config
+        module = ktc.setdefault("kv_connector_module_path", CONNECTOR_MODULE)
+        if module != CONNECTOR_MODULE:
+            raise ConfigError(
+                "kv_connector_module_path", module, f"KVRayConnector lives in {CONNECTOR_MODULE}"
+            )
+        ktc.setdefault("kv_role", "kv_both")
+        ktc.setdefault("kv_load_failure_policy", "recompute")
+        extra = ktc.get("kv_connector_extra_config")
+        if extra is None:
+            extra = ktc["kv_connector_extra_config"] = {}
+        extra.setdefault("namespace", "default")
+        if ray.is_initialized():
+            extra.setdefault("address", ray.get_runtime_context().gcs_address)
+            # vLLM's engine processes inherit it: they write to this replica's node's pool
+            # even where Ray attaches them to another raylet of the host.
+            os.environ.setdefault(NODE_ENV, ray.get_runtime_context().get_node_id())
+        config = KVRayConfig.from_dict(extra)  # fail here, with kvray's message
+        logger.info(
+            "kvray backend: replica joins namespace %r at %s", config.namespace, config.address
+        )
+
+
+def register_backend() -> None:
+    """Register kvray's backend with Ray Serve LLM (idempotent; every process of the cluster
+    sees it once Ray is initialised here, through Ray's internal KV store)."""
+    if not KVConnectorBackendFactory.is_registered(CONNECTOR_NAME):
+        KVConnectorBackendFactory.register_backend(
+            CONNECTOR_NAME, f"{__name__}:{KVRayConnectorBackend.__name__}"
+        )

@@ -1,0 +1,96 @@
+"""kvray's view for request routers: which node holds how much of a prompt's prefix.
+
+Lives apart from :mod:`kvray.serving.router` because Ray Serve ships a router's module by
+value (cloudpickle) to every process that routes: process-wide state (the shared kvray client,
+its lock, the key-space cache) must be imported there, not pickled.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvray.registry import key_spaces
+from kvray.serving.prompts import BlockHasher
+
+__all__ = ["KeySpaceCache", "decision_metric", "held_blocks_by_node", "shared_store"]
+
+#: How long a model's published key space is reused before it is read again.
+KEY_SPACE_TTL_S = 5.0
+#: Models whose key space a cache remembers (least recently used beyond).
+MAX_MODELS = 64
+
+_stores: dict[str, Any] = {}
+_stores_lock = threading.Lock()
+
+
+def shared_store(namespace: str) -> Any:
+    """One kvray client per namespace and process, shared by every router in it (its feed
+    thread keeps the local view fresh for the process' life)."""
+    import kvray
+
+    with _stores_lock:
+        store = _stores.get(namespace)
+        if store is None or store.closed:
+            store = _stores[namespace] = kvray.connect(namespace)
+        return store
+
+
+class KeySpaceCache:
+    """The newest published key space per model, re-read every :data:`KEY_SPACE_TTL_S`."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._entries: OrderedDict[str, tuple[float, BlockHasher | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def hasher(self, model: str | None) -> BlockHasher | None:
+        """The block hasher of ``model`` (its path or a served name); None: none published."""
+        key = model or ""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and now - hit[0] < KEY_SPACE_TTL_S:
+                self._entries.move_to_end(key)
+                return hit[1]
+        infos = key_spaces(self.namespace, model)
+        hasher = BlockHasher(infos[0]) if infos else None
+        with self._lock:
+            self._entries[key] = (now, hasher)
+            self._entries.move_to_end(key)
+            while len(self._entries) > MAX_MODELS:
+                self._entries.popitem(last=False)
+        return hasher
+
+
+def held_blocks_by_node(
+    prefix_by_node: Callable[[Sequence[bytes]], dict[str, int]],
+    keys_per_shard: Sequence[Sequence[bytes]],
+) -> dict[str, int]:
+    """Per node, the leading blocks held under every shard prefix (min over the shards)."""
+    held: dict[str, int] | None = None
+    for keys in keys_per_shard:
+        counts = prefix_by_node(keys)
+        held = (
+            counts
+            if held is None
+            else {n: min(c, counts.get(n, 0)) for n, c in held.items() if n in counts}
+        )
+    return held or {}
+
+
+def decision_metric() -> Any:
+    """The ``kvray_router_decisions`` counter (None where Ray metrics are unavailable)."""
+    try:
+        from ray.util.metrics import Counter
+
+        return Counter(
+            "kvray_router_decisions",
+            description="Requests routed by KVRayRouter, by reason (prefix, imbalanced, cold...)",
+            tag_keys=("reason", "namespace"),
+        )
+    except Exception:
+        return None
