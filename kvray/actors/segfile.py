@@ -15,8 +15,10 @@ The data column comes last, so its bytes are the tail of the record batch body: 
 metadata columns through a memory map faults in a few KiB, never the blocks, and validating a
 file (footer present, metadata, digest) costs the same for a 1 MiB and a 1 GiB file. Block bytes
 are checked against their checksums only when read (:func:`map_payload` then the tier's
-``verify``). The data buffer is written straight from the caller's arrays (no copy when the
-payload is one 2D array or back-to-back 1D arrays).
+``verify``). The data buffer is written straight from the caller's memory (no copy when the
+payload is one 2D array, or 1D arrays laid out in order in one buffer as Ray lays out the arrays
+of one object); element ``i`` of ``data`` is block ``i`` (its first ``size[i]`` bytes) followed by
+at most :data:`MAX_GAP` bytes of the source's alignment padding.
 """
 
 from __future__ import annotations
@@ -60,20 +62,32 @@ class SegmentFileError(Exception):
     """A file is not a valid segment file of this tier (truncated, corrupt or foreign)."""
 
 
-def _data_buffer(payload: Payload) -> pa.Buffer:
-    """The payload's bytes as one Arrow buffer; zero-copy unless the blocks are scattered."""
+#: Largest gap between consecutive blocks of a list payload still written as one span: the
+#: alignment padding Ray puts between the arrays of one object (measured: < 64 bytes).
+MAX_GAP = 63
+
+
+def _data(payload: Payload, sizes: np.ndarray) -> tuple[np.ndarray, pa.Buffer]:
+    """The data column's offsets and buffer, zero-copy unless the blocks are scattered.
+
+    A 2D payload is one buffer. A list whose blocks sit in ascending order with at most
+    :data:`MAX_GAP` bytes between them (the arrays of one Ray object) is written as the span
+    covering them, gaps included; anything else is concatenated (one copy).
+    """
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
     if isinstance(payload, np.ndarray):
-        return pa.py_buffer(payload)
+        return offsets, pa.py_buffer(payload)
     if not payload:
-        return pa.py_buffer(b"")
-    addr = payload[0].ctypes.data
-    end = addr
-    for a in payload:
-        if a.ctypes.data != end:
-            return pa.py_buffer(np.concatenate(payload))
-        end += a.nbytes
-    # Back-to-back arrays (e.g. the buffers of one Ray object): one span kept alive by the list.
-    return pa.foreign_buffer(addr, end - addr, base=payload)
+        return offsets, pa.py_buffer(b"")
+    starts = np.fromiter((a.ctypes.data for a in payload), dtype=np.int64, count=len(payload))
+    gaps = starts[1:] - (starts[:-1] + sizes[:-1])
+    if np.any(gaps < 0) or np.any(gaps > MAX_GAP):
+        return offsets, pa.py_buffer(np.concatenate(payload))
+    offsets[:-1] = starts - starts[0]
+    offsets[-1] = offsets[-2] + sizes[-1]
+    # One span of the caller's memory, kept alive by the list of arrays.
+    return offsets, pa.foreign_buffer(int(starts[0]), int(offsets[-1]), base=payload)
 
 
 def build_batch(
@@ -81,8 +95,7 @@ def build_batch(
 ) -> tuple[pa.Schema, pa.RecordBatch]:
     """The schema (with kvray's metadata) and the one record batch of a segment file."""
     n = len(meta)
-    data_offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(meta.sizes, out=data_offsets[1:])
+    data_offsets, data = _data(payload, meta.sizes)
     block_nbytes = payload.shape[1] if isinstance(payload, np.ndarray) else 0
     schema = _SCHEMA.with_metadata(
         {
@@ -106,9 +119,7 @@ def build_batch(
         pa.array(meta.nshards, pa.uint16()),
         pa.array(meta.sizes, pa.int64()),
         pa.array(meta.checksums, pa.uint64()),
-        pa.Array.from_buffers(
-            pa.large_binary(), n, [None, pa.py_buffer(data_offsets), _data_buffer(payload)]
-        ),
+        pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(data_offsets), data]),
     ]
     return schema, pa.record_batch(columns, schema=schema)
 
@@ -221,10 +232,7 @@ def read_meta(path: str, namespace: str, fingerprint: str) -> tuple[SegmentMeta,
         raise SegmentFileError(f"inconsistent columns: {e}") from None
     if meta.digest() != digest:
         raise SegmentFileError("metadata digest mismatch")
-    if not np.array_equal(np.diff(data_offsets), meta.sizes):
-        raise SegmentFileError("data offsets disagree with block sizes")
-    if block_nbytes and np.any(meta.sizes != block_nbytes):
-        raise SegmentFileError("block sizes disagree with kvray.block_nbytes")
+    _check_sizes(data_offsets, meta.sizes, block_nbytes)
     return meta, block_nbytes
 
 
@@ -240,10 +248,19 @@ def map_payload(path: str, sizes: np.ndarray, block_nbytes: int) -> Payload:
     if batch.num_rows != n:
         raise SegmentFileError(f"{batch.num_rows} rows, expected {n}")
     offsets, data = _offsets(batch.column(_DATA), n)
-    if not np.array_equal(np.diff(offsets), sizes):
-        raise SegmentFileError("block sizes differ from the scanned metadata")
+    _check_sizes(offsets, sizes, block_nbytes)
     flat = np.frombuffer(data, dtype=np.uint8, count=int(offsets[-1]))
     if block_nbytes:
         return flat.reshape(n, block_nbytes)
-    o = offsets.tolist()
-    return [flat[o[i] : o[i + 1]] for i in range(n)]
+    o, s = offsets.tolist(), sizes.tolist()
+    return [flat[o[i] : o[i] + s[i]] for i in range(n)]
+
+
+def _check_sizes(offsets: np.ndarray, sizes: np.ndarray, block_nbytes: int) -> None:
+    """Element ``i`` of the data column holds block ``i`` (its first ``sizes[i]`` bytes)
+    then at most :data:`MAX_GAP` bytes of padding; 2D payloads have none."""
+    room = np.diff(offsets) - sizes
+    if np.any(room < 0) or np.any(room > MAX_GAP):
+        raise SegmentFileError("data offsets disagree with block sizes")
+    if block_nbytes and (np.any(room) or np.any(sizes != block_nbytes)):
+        raise SegmentFileError("block sizes disagree with kvray.block_nbytes")
