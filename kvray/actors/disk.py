@@ -38,6 +38,8 @@ __all__ = ["DiskSegment", "DiskTier", "admit"]
 
 logger = logging.getLogger(__name__)
 
+#: Files whose metadata a scan asks the kernel for at once (bounds the page cache it fills).
+_PREFETCH = 64
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -154,7 +156,10 @@ class DiskTier:
             logger.info("kvray disk tier: removed %s of an interrupted write", name)
         found: list[tuple[int, int, DiskSegment]] = []
         corrupt = 0
-        for seg_id, path in self._slot.segments():
+        listed = self._slot.segments()
+        for i, (seg_id, path) in enumerate(listed):
+            if i % _PREFETCH == 0:
+                segfile.prefetch([p for _, p in listed[i : i + _PREFETCH]])
             try:
                 st = os.stat(path)
                 meta, block_nbytes = segfile.read_meta(path, self.namespace, self.fingerprint)
