@@ -490,3 +490,22 @@ def test_list_payload_of_one_buffer_is_written_as_one_span(tmp_path) -> None:
     assert tier.verify(seg, got) == []
     assert_same_blocks(got, payload, 5)
     tier.close()
+
+
+def test_a_group_larger_than_the_tier_is_written_in_chunks_that_fit(tmp_path) -> None:
+    """Six 3 MiB segments queued at once into 8 MiB: the writer groups them but never holds
+    more than 8 MiB of files (temporary ones included); the last two stay."""
+    rng = np.random.default_rng(14)
+    tier = DiskTier(tmp_path, "ns", 8 * MiB, max_pending_bytes=64 * MiB)
+    tier.scan()
+    rec = Recorder(tier)
+    tier.start()
+    segments = [make_segment(rng, 3, 1 * MiB, "array") for _ in range(6)]
+    assert all(tier.spill(m, p) for m, p in segments)
+    assert tier.close(timeout=60)
+    assert rec.over == []
+    assert sorted(rec.live) == [5, 6]
+    stats = tier.stats()
+    assert (stats["spilled"], stats["disk_evictions"], stats["disk_blocks"]) == (18, 12, 6)
+    for seg in rec.live.values():
+        assert_same_blocks(tier.read(seg), segments[seg.id - 1][1], 3)

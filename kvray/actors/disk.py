@@ -4,10 +4,10 @@ Files live in ``<root>/<namespace>/<k>/``, ``<k>`` being the first slot ``0, 1, 
 ``.lock`` this process can ``flock`` exclusively (held for the tier's life): several pools on one
 host (simulated Ray nodes) never share files, and the one pool of a machine finds its slot, and
 its files, again after a restart or a reboot. One file per segment (``<id:016x>.arrow``, format
-in :mod:`.segfile`), written by one background thread to ``<name>.tmp``, fsynced, renamed and
-the directory fsynced: a crash mid-write leaves only a temporary file, which :meth:`scan`
-deletes. Before each write the writer evicts least recently used files until the new one fits,
-so the bytes of the slot's files never exceed ``capacity``.
+in :mod:`.segfile`), written by one background thread (:mod:`.diskwrite`) to ``<name>.tmp``,
+fsynced and renamed, a group of queued segments at a time: a crash mid-write leaves only
+temporary files, which :meth:`scan` deletes. Before writing, the writer evicts least recently
+used files until the new ones fit, so the bytes of the slot's files never exceed ``capacity``.
 
 Nothing here blocks a caller on the disk: :meth:`DiskTier.spill` queues (bounded by
 ``max_pending_bytes``) or refuses, counted. The owner learns what reached and what left the disk
@@ -30,6 +30,15 @@ import numpy as np
 
 from kvray.actors import segfile
 from kvray.actors.diskslot import Slot, unlink
+from kvray.actors.diskwrite import (
+    GROUP_BYTES,
+    GROUP_FILES,
+    Job,
+    SegmentFile,
+    chunks,
+    prepare,
+    write_files,
+)
 from kvray.actors.segment import Payload, SegmentMeta, block_checksum, check_payload
 from kvray.config import ConfigError, parse_bytes
 from kvray.errors import BlockLostError, KVRayError
@@ -65,14 +74,6 @@ def admit(hits: np.ndarray | Sequence[int], min_hits: int) -> np.ndarray | None:
     if min_hits == 0:
         return None
     return np.flatnonzero(np.asarray(hits) >= min_hits)
-
-
-@dataclass
-class _Job:
-    meta: SegmentMeta
-    payload: Payload
-    select: np.ndarray | None
-    nbytes: int
 
 
 @dataclass
@@ -124,7 +125,7 @@ class DiskTier:
         self._used = 0  # bytes of files in _files
         self._reserved = 0  # bytes of the file being written
         self._blocks = 0
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[Job] = deque()
         self._pending = 0  # payload bytes queued or being written
         self._generation = 0  # bumped by purge: a write that started before lands nowhere
         self._counters = _Counters()
@@ -181,7 +182,7 @@ class DiskTier:
             self._blocks = sum(len(seg.meta) for seg in self._files.values())
             self._counters.scanned += self._blocks
             self._counters.corrupt += corrupt
-            gone = self._evict_for(0)
+            gone = self._evict_for(0, 0)
             self._scanned = True
             survivors = list(self._files.values())
         for seg in gone:
@@ -227,7 +228,7 @@ class DiskTier:
             ):
                 self._counters.skipped += n
                 return False
-            self._queue.append(_Job(meta, payload, select, nbytes))
+            self._queue.append(Job(meta, payload, select, nbytes))
             self._pending += nbytes
             self._wake.notify()
         return True
@@ -240,89 +241,103 @@ class DiskTier:
                         self._wake.wait(1.0)
                     if not self._queue:
                         return
-                    job = self._queue.popleft()
+                    jobs = [self._queue.popleft()]
+                    group = jobs[0].nbytes
+                    while (
+                        self._queue
+                        and len(jobs) < GROUP_FILES
+                        and group + self._queue[0].nbytes <= GROUP_BYTES
+                    ):
+                        jobs.append(self._queue.popleft())
+                        group += jobs[-1].nbytes
                 try:
-                    self._write(job)
-                except Exception:  # a bug, not the disk: keep the writer alive, count it
-                    logger.exception("kvray disk tier: writer failed on one segment")
+                    self._write_group(jobs)
+                except Exception:  # a bug: keep the writer alive (the blocks are not on disk)
+                    logger.exception("kvray disk tier: writer failed on %d segment(s)", len(jobs))
                     with self._lock:
                         self._counters.write_errors += 1
-                        self._counters.skipped += _count(job)
                 finally:
                     with self._lock:
-                        self._pending -= job.nbytes
+                        self._pending -= group
         finally:
             with self._lock:
                 self._writer_done = True
                 if self._release_on_exit:
                     self._slot.release()
 
-    def _write(self, job: _Job) -> None:
-        meta, payload = job.meta, job.payload
-        if job.select is not None:
-            meta = meta.take(job.select)
-            if isinstance(payload, np.ndarray):
-                payload = payload[job.select]  # a copy, on this thread
-            else:
-                payload = [payload[i] for i in job.select.tolist()]
-        schema, batch = segfile.build_batch(meta, payload, self.namespace, self.fingerprint)
-        size = segfile.file_nbytes(schema, batch)
+    def _write_group(self, jobs: list[Job]) -> None:
+        """Build the files of a group of queued segments, then write them in chunks that fit."""
+        ready: list[SegmentFile] = []
+        for job in jobs:
+            try:
+                ready.append(prepare(job, self.namespace, self.fingerprint))
+            except Exception:  # a bug, not the disk: keep the writer alive, count it
+                logger.exception("kvray disk tier: cannot build a segment file")
+                with self._lock:
+                    self._counters.write_errors += 1
+                    self._counters.skipped += job.blocks
+        too_big = sum(len(f.meta) for f in ready if f.size > self.capacity)
+        if too_big:
+            with self._lock:
+                self._counters.skipped += too_big
+        for chunk in chunks(ready, self.capacity):
+            self._write_chunk(chunk)
+
+    def _write_chunk(self, chunk: list[SegmentFile]) -> None:
+        """Evict room for the chunk, write it (:func:`write_files`), register what landed."""
+        size = sum(f.size for f in chunk)
         with self._lock:
-            if size > self.capacity:
-                self._counters.skipped += len(meta)
-                return
             generation = self._generation
-            seg_id = self._next_id
-            self._next_id += 1
-            gone = self._evict_for(size)
+            for f in chunk:
+                f.seg_id = self._next_id
+                self._next_id += 1
+            gone = self._evict_for(size, len(chunk))
             self._reserved += size
         for seg in gone:
             unlink(seg.path)
         self._notify_evicted(gone)
-        path = self._slot.path(seg_id)
-        try:
-            segfile.write_file(path, schema, batch, size)
-        except Exception as e:
-            with self._lock:
-                self._reserved -= size
-                self._counters.skipped += len(meta)
-                if generation != self._generation:
-                    return  # purge() deleted the temporary file under us
-                self._counters.write_errors += 1
-                errors = self._counters.write_errors
-            if errors <= 3 or errors % 100 == 0:
-                logger.warning("kvray disk tier: write %d failed: %s", errors, e)
-            return
-        seg = DiskSegment(seg_id, path, meta, size, _block_nbytes(payload))
+        done, failed = write_files(self._slot, chunk)
+        segs = [
+            DiskSegment(f.seg_id, self._slot.path(f.seg_id), f.meta, f.size, f.block_nbytes)
+            for f in done
+        ]
         with self._lock:
             self._reserved -= size
             purged = generation != self._generation
-            if not purged:
-                self._files[seg_id] = seg
-                self._used += size
-                self._blocks += len(meta)
-                self._counters.spilled += len(meta)
-                self._counters.spilled_bytes += meta.nbytes
+            self._counters.skipped += sum(len(f.meta) for f, _ in failed)
+            if not purged:  # after a purge, a failure is its deleting our temporary file
+                self._counters.write_errors += len(failed)
+            errors = self._counters.write_errors
+            for seg in segs:
+                if purged:
+                    self._counters.skipped += len(seg.meta)
+                    continue
+                self._files[seg.id] = seg
+                self._used += seg.file_bytes
+                self._blocks += len(seg.meta)
+                self._counters.spilled += len(seg.meta)
+                self._counters.spilled_bytes += seg.meta.nbytes
+        if failed and not purged and (errors <= 3 or errors % 100 < len(failed)):
+            logger.warning("kvray disk tier: %d write(s) failed: %s", len(failed), failed[0][1])
         if purged:
-            unlink(path)
-            with self._lock:
-                self._counters.skipped += len(meta)
+            for seg in segs:
+                unlink(seg.path)
             return
         callback = self.on_spilled
-        if callback is not None:
-            try:
-                callback(seg)
-            except Exception:
-                logger.exception("kvray disk tier: on_spilled failed")
+        for seg in segs:
+            if callback is not None:
+                try:
+                    callback(seg)
+                except Exception:
+                    logger.exception("kvray disk tier: on_spilled failed")
 
-    def _evict_for(self, size: int) -> list[DiskSegment]:
-        """Drop LRU files from the index until ``size`` more bytes and one more file fit
+    def _evict_for(self, size: int, files: int) -> list[DiskSegment]:
+        """Drop LRU files from the index until ``size`` more bytes in ``files`` more files fit
         (under the lock; the caller deletes them and tells the owner)."""
         gone: list[DiskSegment] = []
-        extra = 1 if size else 0
         while self._files and (
             self._used + self._reserved + size > self.capacity
-            or len(self._files) + extra > self.max_files
+            or len(self._files) + files > self.max_files
         ):
             _, seg = self._files.popitem(last=False)
             self._used -= seg.file_bytes
@@ -412,7 +427,8 @@ class DiskTier:
     def close(self, timeout: float = 10.0, drain: bool = True) -> bool:
         """Stop the writer: finish queued writes for up to ``timeout`` s (``drain``), then drop
         the rest (counted in ``disk_skipped``). True when the writer stopped in time; if not,
-        it finishes its one current write and releases the slot itself."""
+        it finishes its one current write and releases the slot itself. Do not call it holding
+        a lock the callbacks take: the writer could not finish."""
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
             raise ValueError(f"DiskTier.close: timeout must be seconds >= 0, got {timeout!r}")
         with self._lock:
@@ -434,7 +450,7 @@ class DiskTier:
 
     def _drop_queue(self) -> None:
         for job in self._queue:
-            self._counters.skipped += _count(job)
+            self._counters.skipped += job.blocks
             self._pending -= job.nbytes
         self._queue.clear()
 
@@ -456,11 +472,3 @@ class DiskTier:
                 "disk_write_errors": c.write_errors,
                 "disk_pending_bytes": self._pending,
             }
-
-
-def _count(job: _Job) -> int:
-    return len(job.meta) if job.select is None else len(job.select)
-
-
-def _block_nbytes(payload: Payload) -> int:
-    return int(payload.shape[1]) if isinstance(payload, np.ndarray) else 0
