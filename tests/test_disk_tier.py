@@ -457,6 +457,8 @@ def test_arguments_are_checked(tmp_path) -> None:
         tier.spill(meta, payload[:1])
     with pytest.raises(ValueError, match="select"):
         tier.spill(meta, payload, select=np.array([2]))
+    with pytest.raises(ValueError, match="increasing"):
+        tier.spill(meta, payload, select=np.array([1, 0]))
     with pytest.raises(ValueError, match="timeout"):
         tier.close(timeout=-1)
     assert tier.close()

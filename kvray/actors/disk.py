@@ -23,7 +23,7 @@ import os
 import re
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +39,7 @@ from kvray.actors.diskwrite import (
     prepare,
     write_files,
 )
-from kvray.actors.segment import Payload, SegmentMeta, block_checksum, check_payload
+from kvray.actors.segment import Payload, SegmentMeta, admit, block_checksum, check_payload
 from kvray.config import ConfigError, parse_bytes
 from kvray.errors import BlockLostError, KVRayError
 
@@ -61,19 +61,6 @@ class DiskSegment:
     meta: SegmentMeta = field(repr=False)
     file_bytes: int
     block_nbytes: int
-
-
-def admit(hits: np.ndarray | Sequence[int], min_hits: int) -> np.ndarray | None:
-    """Which blocks of a segment to spill under ``disk_admit_min_hits`` (issue 12, item 4).
-
-    ``hits[i]``: how many times block ``i`` was read. Returns None for "every block" (the
-    common ``min_hits=0`` case, no array built), else the positions to pass as ``select``.
-    """
-    if isinstance(min_hits, bool) or not isinstance(min_hits, int) or min_hits < 0:
-        raise ValueError(f"admit: min_hits must be an int >= 0, got {min_hits!r}")
-    if min_hits == 0:
-        return None
-    return np.flatnonzero(np.asarray(hits) >= min_hits)
 
 
 @dataclass
@@ -205,7 +192,8 @@ class DiskTier:
 
         Returns False, counting the blocks in ``disk_skipped``, when they would push the queued
         bytes past ``max_pending_bytes``, cannot fit in ``capacity`` at all, or the tier is
-        closed. The payload's arrays are held (not copied) until written.
+        closed (an empty ``select``, e.g. from :func:`admit`, is False and not counted). The
+        payload's arrays are held (not copied) until written.
         """
         if self._writer is None:
             raise KVRayError("DiskTier.spill: call start() first")
@@ -216,8 +204,10 @@ class DiskTier:
                 raise ValueError(f"DiskTier.spill: select must be 1D, got shape {select.shape}")
             if len(select) == 0:
                 return False
-            if not 0 <= int(select.min()) <= int(select.max()) < len(meta):
-                raise ValueError(f"DiskTier.spill: select must be positions < {len(meta)}")
+            if select[0] < 0 or select[-1] >= len(meta) or np.any(np.diff(select) <= 0):
+                raise ValueError(
+                    f"DiskTier.spill: select must be increasing positions < {len(meta)}"
+                )
         n = len(meta) if select is None else len(select)
         nbytes = meta.nbytes if select is None else int(meta.sizes[select].sum())
         with self._lock:

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-__all__ = ["Payload", "SegmentMeta", "block_checksum", "check_payload", "payload_nbytes"]
+__all__ = [
+    "Payload",
+    "SegmentMeta",
+    "admit",
+    "block_checksum",
+    "check_payload",
+    "payload_nbytes",
+]
 
 Payload = np.ndarray | list[np.ndarray]
 """Block bytes of one segment: ``[n, block_nbytes]`` uint8, or a list of 1D uint8 arrays."""
@@ -222,3 +229,17 @@ def check_payload(meta: SegmentMeta, payload: Payload, where: str = "payload") -
             raise TypeError(f"{where}: block {i} must be a 1D C-contiguous uint8 array")
         if a.nbytes != sizes[i]:
             raise ValueError(f"{where}: block {i} has {a.nbytes} bytes, not {sizes[i]}")
+
+
+def admit(hits: np.ndarray | Sequence[int], min_hits: int) -> np.ndarray | None:
+    """Which blocks of a segment to spill under ``disk_admit_min_hits`` (issue 12, item 4).
+
+    ``hits[i]``: how many times block ``i`` was read. Returns None for "every block" (the
+    common ``min_hits=0`` case, no array built), else the increasing positions to pass as
+    ``DiskTier.spill(..., select=...)`` (empty: nothing to spill).
+    """
+    if isinstance(min_hits, bool) or not isinstance(min_hits, int) or min_hits < 0:
+        raise ValueError(f"admit: min_hits must be an int >= 0, got {min_hits!r}")
+    if min_hits == 0:
+        return None
+    return np.flatnonzero(np.asarray(hits) >= min_hits)
