@@ -46,7 +46,8 @@ import pyarrow as pa
 from kvray.actors import segfile
 from kvray.actors.disk import DiskTier
 from kvray.actors.diskwrite import GROUP_BYTES
-from kvray.actors.segment import Payload, SegmentMeta, block_checksum
+from kvray.actors.payload import Payload, block_checksum
+from kvray.actors.segment import SegmentMeta
 
 MiB = 1 << 20
 GiB = 1 << 30

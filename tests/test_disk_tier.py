@@ -15,7 +15,8 @@ import pytest
 
 from kvray.actors import segfile
 from kvray.actors.disk import DiskSegment, DiskTier, admit
-from kvray.actors.segment import Payload, SegmentMeta, block_checksum
+from kvray.actors.payload import Payload, block_checksum, check_payload, meta_digest
+from kvray.actors.segment import SegmentMeta
 from kvray.config import ConfigError
 from kvray.errors import BlockLostError, KVRayError
 
@@ -50,6 +51,10 @@ def make_segment(
         [block_checksum(payload[i]) for i in range(n)],
     )
     return meta, payload
+
+
+def keys_of(meta: SegmentMeta) -> list[bytes]:
+    return meta.keys()
 
 
 def files_bytes(tier: DiskTier) -> int:
@@ -91,33 +96,29 @@ class Recorder:
                 del self.live[seg.id]
 
 
-def test_segment_meta() -> None:
+def test_payload_helpers() -> None:
+    """The checks around the pool's SegmentMeta that the tier adds (SegmentMeta is the pool's)."""
     rng = np.random.default_rng(1)
     meta, payload = make_segment(rng, 6, 1000, "list")
-    assert len(meta) == 6 and meta.nbytes == sum(a.nbytes for a in payload)
-    keys = meta.all_keys()
-    assert [meta.key(i) for i in range(6)] == keys and meta.key(-1) == keys[5]
     sub = meta.take([4, 1])
-    assert sub.all_keys() == [keys[4], keys[1]]
-    assert sub.sizes.tolist() == [meta.sizes[4], meta.sizes[1]]
-    assert sub.checksums.tolist() == [meta.checksums[4], meta.checksums[1]]
-    assert len(meta.take([])) == 0 and meta.take([]).key_blob == b""
-    assert meta.digest() == meta.take(range(6)).digest() != sub.digest()
-    with pytest.raises(IndexError):
-        meta.key(6)
-    with pytest.raises(IndexError):
-        meta.take([6])
-    bad = {
-        "ids": meta.ids[:5],
-        "sizes": meta.sizes.astype(np.int32),
-        "checksums": meta.checksums.astype(np.int64),
-        "key_offsets": meta.key_offsets[::-1].copy(),
-    }
-    for name, value in bad.items():
-        with pytest.raises((TypeError, ValueError), match=name):
-            SegmentMeta(**{**meta.__dict__, name: value})
-    with pytest.raises(ValueError, match="sizes"):
-        SegmentMeta(**{**meta.__dict__, "sizes": -meta.sizes})
+    assert sub.keys() == [meta.key(4), meta.key(1)]
+    assert meta_digest(meta) == meta_digest(meta.take(range(6)))
+    assert meta_digest(meta) != meta_digest(sub)
+    flipped = SegmentMeta(**{**meta.__dict__, "checksums": meta.checksums ^ np.uint64(1)})
+    assert meta_digest(flipped) != meta_digest(meta)
+    check_payload(meta, payload)
+    with pytest.raises(ValueError, match="5 arrays for 6 blocks"):
+        check_payload(meta, payload[:5])
+    with pytest.raises(ValueError, match="block 2 has"):
+        check_payload(meta, [*payload[:2], payload[2][:-1], *payload[3:]])
+    with pytest.raises(TypeError, match="block 0 must be"):
+        check_payload(meta, [payload[0].view(np.int8), *payload[1:]])
+    meta2d, array = make_segment(rng, 3, 64, "array")
+    check_payload(meta2d, array)
+    with pytest.raises(TypeError, match="2D C-contiguous uint8"):
+        check_payload(meta2d, array.T)
+    with pytest.raises(ValueError, match="2 rows for 3 blocks"):
+        check_payload(meta2d, array[:2])
     # The checksum is kvray.client.checksum's, so RAM and disk blocks verify alike.
     from kvray.client import checksum
 
@@ -153,7 +154,7 @@ def test_spill_128mib_through_64mib(tmp_path, form: str) -> None:
     for seg in rec.live.values():
         got = tier.read(seg)
         assert tier.verify(seg, got) == []
-        assert_same_blocks(got, [by_key[k] for k in seg.meta.all_keys()], len(seg.meta))
+        assert_same_blocks(got, [by_key[k] for k in keys_of(seg.meta)], len(seg.meta))
     # Restart: the same files, the same bytes, nothing else.
     again = DiskTier(tmp_path, "ns", 64 * MiB)
     assert again.dir == tier.dir
@@ -161,11 +162,11 @@ def test_spill_128mib_through_64mib(tmp_path, form: str) -> None:
     assert sorted(s.id for s in found) == sorted(rec.live)
     assert [s.id for s in found] == sorted(s.id for s in found)  # oldest first
     for seg in found:
-        assert seg.meta.all_keys() == rec.live[seg.id].meta.all_keys()
+        assert seg.meta.keys() == rec.live[seg.id].meta.keys()
         assert seg.block_nbytes == (256 << 10 if form == "array" else 0)
         got = again.read(seg)
         assert tier.verify(seg, got) == []
-        assert_same_blocks(got, [by_key[k] for k in seg.meta.all_keys()], len(seg.meta))
+        assert_same_blocks(got, [by_key[k] for k in keys_of(seg.meta)], len(seg.meta))
     assert again.stats()["disk_scanned"] == stats["disk_blocks"]
     assert again.stats()["disk_bytes"] == stats["disk_bytes"]
     again.close()
@@ -246,7 +247,7 @@ def test_read_of_a_file_corrupted_after_scan_is_lost_and_deleted(tmp_path) -> No
         f.truncate(seg.file_bytes // 2)
     with pytest.raises(BlockLostError, match="corrupt") as err:
         tier.read(seg)
-    assert err.value.keys == next(iter(rec.live.values())).meta.all_keys()
+    assert err.value.keys == next(iter(rec.live.values())).meta.keys()
     assert not os.path.exists(seg.path)
     assert tier.stats()["disk_corrupt"] == 1 and tier.stats()["disk_files"] == 0
     tier.close()
@@ -264,7 +265,7 @@ payload = np.frombuffer(np.random.default_rng(5).bytes(8 << 20), np.uint8).resha
 s = 0
 while True:  # spill forever: the kill lands while a group is being written
     keys = [s.to_bytes(4, "little") + bytes([i]) * 40 for i in range(4)]
-    meta = SegmentMeta.from_keys(keys, range(4), [0] * 4, [1] * 4, [2 << 20] * 4, [0] * 4)
+    meta = SegmentMeta.from_keys(keys, np.arange(4), [0] * 4, [1] * 4, [2 << 20] * 4, [0] * 4)
     if tier.spill(meta, payload):
         s += 1
     else:
@@ -396,7 +397,7 @@ def test_admission_spills_only_blocks_read_enough(tmp_path, form: str) -> None:
         admit(hits, -1)
     assert tier.close(timeout=60)
     (seg,) = rec.live.values()
-    assert seg.meta.all_keys() == [meta.key(i) for i in (1, 3, 6)]
+    assert seg.meta.keys() == [meta.key(i) for i in (1, 3, 6)]
     assert tier.stats()["spilled"] == 3
     assert_same_blocks(tier.read(seg), [payload[i] for i in (1, 3, 6)], 3)
 
@@ -478,7 +479,7 @@ def test_file_format_metadata(tmp_path) -> None:
     assert (md["kvray.namespace"], md["kvray.fingerprint"]) == ("ns", "fp")
     assert (md["kvray.blocks"], md["kvray.block_nbytes"]) == ("3", "4096")
     assert table.column_names == ["key", "id", "shard", "nshards", "size", "checksum", "data"]
-    assert table.column("key").to_pylist() == meta.all_keys()
+    assert table.column("key").to_pylist() == meta.keys()
     assert table.column("data").to_pylist()[2] == payload[2].tobytes()
 
 

@@ -39,7 +39,8 @@ from kvray.actors.diskwrite import (
     prepare,
     write_files,
 )
-from kvray.actors.segment import Payload, SegmentMeta, admit, block_checksum, check_payload
+from kvray.actors.payload import Payload, admit, block_checksum, check_payload
+from kvray.actors.segment import SegmentMeta
 from kvray.config import ConfigError, parse_bytes
 from kvray.errors import BlockLostError, KVRayError
 
@@ -355,15 +356,15 @@ class DiskTier:
         try:
             return segfile.map_payload(seg.path, seg.meta.sizes, seg.block_nbytes)
         except FileNotFoundError:
-            raise BlockLostError(seg.meta.all_keys(), "evicted from the disk tier") from None
+            raise BlockLostError(seg.meta.keys(), "evicted from the disk tier") from None
         except OSError as e:  # the disk or the process, not the file: keep it
-            raise BlockLostError(seg.meta.all_keys(), f"disk read failed: {e}") from None
+            raise BlockLostError(seg.meta.keys(), f"disk read failed: {e}") from None
         except segfile.SegmentFileError as e:
             logger.warning("kvray disk tier: deleting corrupt file %s: %s", seg.path, e)
             with self._lock:
                 self._counters.corrupt += 1
             self.remove(seg)
-            raise BlockLostError(seg.meta.all_keys(), f"corrupt disk file: {e}") from None
+            raise BlockLostError(seg.meta.keys(), f"corrupt disk file: {e}") from None
 
     def verify(self, seg: DiskSegment, payload: Payload) -> list[int]:
         """Positions of blocks whose xxh3 differs from the checksum they were written with.

@@ -20,7 +20,8 @@ import pyarrow as pa
 
 from kvray.actors import segfile
 from kvray.actors.diskslot import Slot
-from kvray.actors.segment import Payload, SegmentMeta
+from kvray.actors.payload import Payload
+from kvray.actors.segment import SegmentMeta
 
 __all__ = ["GROUP_BYTES", "GROUP_FILES", "Job", "SegmentFile", "chunks", "prepare", "write_files"]
 

@@ -9,7 +9,8 @@ footer, footer length, trailing magic ``ARROW1``) with one row per block::
 Schema metadata (all values UTF-8 strings): ``kvray.format`` = ``kvray-segment``,
 ``kvray.version`` (:data:`VERSION`), ``kvray.namespace``, ``kvray.fingerprint``,
 ``kvray.blocks`` (rows), ``kvray.block_nbytes`` (the row size when the payload was written as a
-2D array, else 0) and ``kvray.meta_xxh3`` (:meth:`SegmentMeta.digest` of the metadata columns).
+2D array, else 0) and ``kvray.meta_xxh3`` (:func:`~kvray.actors.payload.meta_digest` of the
+metadata columns).
 
 The data column comes last, so its bytes are the tail of the record batch body: reading the
 metadata columns through a memory map faults in a few KiB, never the blocks, and validating a
@@ -31,7 +32,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from kvray.actors.segment import Payload, SegmentMeta
+from kvray.actors.payload import Payload, meta_digest
+from kvray.actors.segment import SegmentMeta
 
 __all__ = [
     "FORMAT",
@@ -110,7 +112,7 @@ def build_batch(
             "kvray.fingerprint": fingerprint,
             "kvray.blocks": str(n),
             "kvray.block_nbytes": str(block_nbytes),
-            "kvray.meta_xxh3": str(meta.digest()),
+            "kvray.meta_xxh3": str(meta_digest(meta)),
         }
     )
     columns = [
@@ -295,7 +297,7 @@ def read_meta(path: str, namespace: str, fingerprint: str) -> tuple[SegmentMeta,
         meta = SegmentMeta(key_data.to_pybytes()[: int(key_offsets[-1])], key_offsets.copy(), *cols)
     except (pa.ArrowException, TypeError, ValueError) as e:
         raise SegmentFileError(f"inconsistent columns: {e}") from None
-    if meta.digest() != digest:
+    if meta_digest(meta) != digest:
         raise SegmentFileError("metadata digest mismatch")
     _check_sizes(data_offsets, meta.sizes, block_nbytes)
     return meta, block_nbytes
