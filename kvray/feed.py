@@ -70,8 +70,11 @@ class Subscriber:
     def start(self) -> None:
         """Take a first snapshot of every shard (so lookups work at once), then subscribe."""
         refs = [s.handle.changes.remote(self.view.epochs[s.index], -1, 0.0) for s in self._shards]
-        for s, ref in zip(self._shards, refs, strict=True):
-            self._apply(s, ray.get(ref, timeout=self._timeout))
+        snapshots: list[Changes] = ray.get(refs, timeout=self._timeout)
+        if any(ch.stopped for ch in snapshots):
+            raise StoreUnavailableError(f"kvray: namespace {self.namespace!r} is being stopped")
+        with self._cv:
+            self.view.load(snapshots)
         self._thread = threading.Thread(target=self._run, name="kvray-feed", daemon=True)
         self._thread.start()
 

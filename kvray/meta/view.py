@@ -56,6 +56,22 @@ class LocalView:
         self.nodes = _merge(self._nodes_of)
         self.epochs[s], self.seqs[s] = ch.epoch, ch.seq
 
+    def load(self, snapshots: list[Changes]) -> None:
+        """Start from a snapshot of every shard at once (one table build, not one per shard)."""
+        if sorted(ch.shard for ch in snapshots) != list(range(self.num_shards)):
+            raise ValueError("LocalView.load needs one snapshot of every shard")
+        if not all(ch.snapshot for ch in snapshots):
+            raise ValueError("LocalView.load takes snapshots only")
+        self.table.load(
+            np.concatenate([ch.ids for ch in snapshots]),
+            loc=np.concatenate([ch.locs for ch in snapshots]),
+        )
+        for ch in snapshots:
+            self.placements[ch.shard] = dict(ch.placements)
+            self._nodes_of[ch.shard] = ch.nodes
+            self.epochs[ch.shard], self.seqs[ch.shard] = ch.epoch, ch.seq
+        self.nodes = _merge(self._nodes_of)
+
     def _apply_records(self, ids: np.ndarray, locs: np.ndarray) -> None:
         if not ids.size:
             return
