@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -238,6 +239,27 @@ def test_bad_put_is_refused_up_front_and_stores_nothing(bad_input_ns: str, case:
         # The store is still usable: the same keys with good blocks go in.
         good = _keys(2)
         assert store.put(good, _blocks(2)).result(timeout=30).stored == 2
+    finally:
+        store.close()
+
+
+def test_an_empty_block_on_the_worker_path_is_refused_up_front(bad_input_ns: str) -> None:
+    """Item 2 on the path the connector's workers use (``store.io.put``, no view): a 0-byte
+    block is refused with kvray's own error before anything is sent, and result, pool stats
+    and view agree that nothing was stored or refused."""
+    store = kvray.connect(bad_input_ns, subscribe=False)
+    pool = _my_pool(bad_input_ns)
+    try:
+        before = ray.get(pool.stats.remote())
+        keys = _keys(2)
+        ids = key_ids(keys)
+        for blocks in ([np.ones(8, np.uint8), np.zeros(0, np.uint8)], np.zeros((2, 0), np.uint8)):
+            with pytest.raises(kvray.InvalidArgumentError, match="empty"):
+                store.io.put(keys, ids, 0, 1, blocks)
+        after = ray.get(pool.stats.remote())
+        for field in ("stored", "refused", "blocks", "bytes", "puts"):
+            assert after[field] == before[field], field
+        assert store.io.put(keys, ids, 0, 1, np.ones((2, 8), np.uint8)).result(30).stored == 2
     finally:
         store.close()
 
@@ -673,6 +695,10 @@ class _Delta:
         self.load_seconds = c1.load_seconds - self.c0.load_seconds
         self.planned = (_sched(self.llm).hit_tokens - self.h0) // BLOCK_SIZE
 
+    def __repr__(self) -> str:
+        figures = ("planned", "loaded", "failed", "load_seconds", "seconds")
+        return repr({k: getattr(self, k, None) for k in figures})
+
 
 def _prompts(n: int, prefix: int, suffix: int) -> list[list[int]]:
     """Fresh prompts (a random seed per call: blocks that failed are quarantined for a while)."""
@@ -721,6 +747,14 @@ class _OnFirstLoad:
 
     def __exit__(self, *exc: object) -> None:
         del self.handler.submit_loads, self.store.fetch_from  # the classes' methods again
+
+
+def _incarnation(pool: Any) -> str:
+    """A pool's incarnation, or "" while it restarts."""
+    try:
+        return str(ray.get(pool.ping.remote(), timeout=30)[1])
+    except ray.exceptions.RayActorError:
+        return ""
 
 
 def _pid(actor: Any) -> int:
@@ -866,7 +900,13 @@ def test_node_removed_mid_load(engines: Engines, ray_cluster: Cluster) -> None:
         _wait_for(
             lambda: (view.slot_of(ids, view.locs(ids), 0) == slot_x).all(), 20, "only X holds them"
         )
-        with _Delta(llm) as d, _OnFirstLoad(llm, lambda: ray_cluster.remove_node(node)) as hook:
+        pid = _pid(ray.get_actor(pool_name(ns, node_x), namespace=RAY_NAMESPACE))
+
+        def remove() -> None:  # the node's pool process is gone when the load starts
+            ray_cluster.remove_node(node)
+            _wait_for(lambda: not psutil.pid_exists(pid), 20, "node X's pool to exit")
+
+        with _Delta(llm) as d, _OnFirstLoad(llm, remove) as hook:
             tokens, _ = _warm(llm, prompts)
         node = None
     finally:
@@ -892,13 +932,18 @@ def _load_failures(engines: Engines, mode: str) -> None:
     # A pool killed (Ray restarts it, empty) as the step's loads start.
     prompts = _prompts(2, 200, 40)
     ref = _cold(llm, prompts)
-    incarnation = ray.get(pool.ping.remote())[1]
-    with _Delta(llm) as d, _OnFirstLoad(llm, lambda: ray.kill(pool, no_restart=False)) as hook:
+    incarnation, pid = _incarnation(pool), _pid(pool)
+
+    def kill() -> None:  # ray.kill returns at once: wait for the process to be gone
+        ray.kill(pool, no_restart=False)
+        _wait_for(lambda: not psutil.pid_exists(pid), 20, "the pool's process to exit")
+
+    with _Delta(llm) as d, _OnFirstLoad(llm, kill) as hook:
         tokens, _ = _warm(llm, prompts)
     assert hook.fired.is_set() and tokens == ref
-    assert d.planned > 0 and d.failed == d.planned and d.loaded == 0, vars(d)
+    assert d.planned > 0 and d.failed == d.planned and d.loaded == 0, d
     assert max(hook.durations) < bound, hook.durations
-    _wait_for(lambda: ray.get(pool.ping.remote(), timeout=30)[1] != incarnation, 60, "restart")
+    _wait_for(lambda: _incarnation(pool) not in ("", incarnation), 60, "the pool's restart")
 
     # A pool that stops answering: its process is frozen while the loads wait on it.
     prompts = _prompts(2, 200, 40)
@@ -910,8 +955,9 @@ def _load_failures(engines: Engines, mode: str) -> None:
     finally:
         os.kill(pid, signal.SIGCONT)
     assert hook.fired.is_set() and tokens == ref
-    assert d.planned > 0 and d.failed == d.planned and d.loaded == 0, vars(d)
-    assert max(hook.durations) < bound, hook.durations
+    assert d.planned > 0 and d.failed == d.planned and d.loaded == 0, d
+    # The first fetch waited on the frozen pool until the load timeout cut it, no longer.
+    assert LOAD_TIMEOUT_S - 0.05 < hook.durations[0] < bound, hook.durations
     # Not a stall of get_timeout_s (30 s): the whole run is a recompute plus the timeout.
     assert d.seconds < 10 * LOAD_TIMEOUT_S + 5, d.seconds
 
@@ -932,7 +978,7 @@ def _load_failures(engines: Engines, mode: str) -> None:
         finally:
             delattr(target, name)
         assert tokens == ref, name
-        assert d.planned == _hit_blocks(prompts[0]) and d.failed == d.planned, (name, vars(d))
+        assert d.planned == _hit_blocks(prompts[0]) and d.failed == d.planned, (name, d)
         assert d.loaded == 0, name
     # The engine serves on and loads again.
     prompts = _prompts(1, 230, 20)
