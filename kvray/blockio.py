@@ -31,7 +31,7 @@ import xxhash
 from kvray.actors.join import local_node_id
 from kvray.actors.types import RAY_NAMESPACE, LeaseReply, PutResult, pool_name
 from kvray.config import KVRayConfig
-from kvray.errors import StoreUnavailableError
+from kvray.errors import InvalidArgumentError, StoreUnavailableError
 from kvray.metrics import ClientTally
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,9 @@ class BlockIO:
         """Store validated blocks in the background (this node's pool unless ``pool``)."""
         if self._closed.is_set():
             raise StoreUnavailableError("kvray: put on a closed store")
+        sizes = [blocks.shape[1]] if isinstance(blocks, np.ndarray) else [b.nbytes for b in blocks]
+        if 0 in sizes:  # the pool would refuse the whole segment
+            raise InvalidArgumentError("kvray: a block is empty: a block has at least one byte")
         fut: Future[PutResult] = Future()
         nbytes = (
             int(blocks.nbytes) if isinstance(blocks, np.ndarray) else sum(b.nbytes for b in blocks)

@@ -10,8 +10,10 @@ error path whatever the load mode:
   thread, ``layerwise`` on a thread one layer at a time while the forward pass runs. Any failure,
   an exception included, records the job's blocks from the first bad one on as load errors:
   vLLM recomputes them; a load never crashes the engine and never waits past its deadline.
-- a **store** gathers blocks into staging rows (in pieces that fit the staging pool) and hands
-  them to ``put``, which copies them into Ray in the background.
+- a **store** gathers blocks into staging rows (in pieces that fit the staging pool; while its
+  rows are held by puts in flight, into a buffer of the piece's own) and hands them to ``put``,
+  which copies them into Ray in the background (bytes in flight bounded by
+  ``max_inflight_put_bytes``).
 
 Completions are reported as ``{job_id: 1}`` per rank in :class:`KVRayWorkerMetadata`.
 """
@@ -322,8 +324,8 @@ class TransferHandler:
     # ---------------------------------------------------------------- stores
     def submit_store(self, job_id: JobId, spec: StoreSpec) -> None:
         """Gather the job's blocks into staging (in pieces that fit) and put them; a piece
-        that finds staging full is dropped (counted) and the job reported failed, so the
-        scheduler plans those blocks again. Once this returns no save reads vLLM's blocks."""
+        that fails is dropped (counted) and the job reported failed, so the scheduler plans
+        those blocks again. Once this returns no save reads vLLM's blocks."""
         n = len(spec.block_ids)
         if not self.is_writer or not n:
             self._mark_store(job_id, spec, [], ok=True)
@@ -344,11 +346,15 @@ class TransferHandler:
 
     def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[Any] | None:
         lease = self.copier.lease(b - a)
-        if lease is None:
-            logger.warning("kvray: staging full, dropping a save of %d blocks", b - a)
-            return None
         try:
-            buf = lease.tensor[: b - a]
+            # Staging rows still held by puts in flight: a buffer of the piece's own, not a
+            # dropped save (a request that finishes is never offered again). Bytes in flight
+            # stay bounded: beyond max_inflight_put_bytes the put is refused, the job replanned.
+            buf = (
+                lease.tensor[: b - a]
+                if lease is not None
+                else torch.empty((b - a, self.block_nbytes), dtype=torch.uint8)
+            )
             self.mover.gather(spec.block_ids[a:b], buf)
             keys = self.key_space.block_keys(spec.block_hashes[a:b])
             fut = self.store.io.put(
@@ -356,13 +362,15 @@ class TransferHandler:
             )
         except Exception:
             logger.exception("kvray: a save of %d blocks failed", b - a)
-            lease.release()
+            if lease is not None:
+                lease.release()
             return None
         fut.add_done_callback(lambda f: self._put_done(b - a, f, lease))
         return fut
 
     def _put_done(self, n: int, fut: Future[Any], lease: Any) -> None:
-        lease.release()  # the staging rows are reusable once Ray owns a copy
+        if lease is not None:
+            lease.release()  # the staging rows are reusable once Ray owns a copy
         with self._lock:
             c = self._meta.counters
             try:
