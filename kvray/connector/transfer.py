@@ -4,12 +4,15 @@ Jobs come from the scheduler by id; every load and every store goes through one 
 error path whatever the load mode:
 
 - a **load** fetches its blocks from the pools the metadata names (bounded by
-  ``load_timeout_s``), scatters them into the paged cache (each block hashed by its copy thread
-  right after copying it, while its bytes are in the CPU cache), verifies the checksums and
-  records the result. ``sync`` runs it in the caller (``start_load_kv``), ``async`` on a loader
-  thread, ``layerwise`` on a thread one layer at a time while the forward pass runs. Any failure,
-  an exception included, records the job's blocks from the first bad one on as load errors:
-  vLLM recomputes them; a load never crashes the engine and never waits past its deadline.
+  ``load_timeout_s``): the stored shards holding this rank's heads, in the grouping the load
+  names (one shard at the same TP size; a window of one shard, or pieces of several, when an
+  engine of another TP size stored them), scatters them into the paged cache (each block hashed
+  by its copy thread right after copying it, while its bytes are in the CPU cache), verifies
+  the checksums and records the result. ``sync`` runs it in the caller (``start_load_kv``),
+  ``async`` on a loader thread, ``layerwise`` on a thread one layer at a time while the forward
+  pass runs. Any failure, an exception included, records the job's blocks from the first bad one
+  on as load errors: vLLM recomputes them; a load never crashes the engine and never waits past
+  its deadline.
 - a **store** gathers blocks into staging rows (in pieces that fit the staging pool) and hands
   them to ``put``, which copies them into Ray in the background.
 
@@ -41,8 +44,9 @@ from kvray.connector.metadata import (
     ReqId,
     StoreSpec,
 )
-from kvray.connector.paged import Mover, PagedCopier
+from kvray.connector.paged import Mover, PagedCopier, Source
 from kvray.kernels import StagingPool
+from kvray.kernels.heads import HeadPart, head_parts
 from kvray.meta.ids import key_ids
 
 logger = logging.getLogger(__name__)
@@ -77,12 +81,22 @@ class _Load:
     job_id: JobId
     spec: LoadSpec
     keys: list[bytes]
-    slots: list[int]
+    #: The stored shards holding this rank's heads, and each one's pool slot per block.
+    parts: list[HeadPart]
+    slots: list[list[int]]
     pools: dict[int, str]
     t0: float = field(default_factory=time.perf_counter)
-    fetched: Fetched | None = None
+    #: One per part, all cut to the blocks every part could read.
+    fetched: list[Fetched] = field(default_factory=list)
     why: str = ""
     done: int = 0  # leading blocks in place and verified
+
+    @property
+    def readable(self) -> int:
+        return len(self.fetched[0].keys) if self.fetched else 0
+
+    def sources(self) -> list[Source]:
+        return [(f.arrays, part) for f, part in zip(self.fetched, self.parts, strict=True)]
 
 
 class _Layers:
@@ -118,9 +132,21 @@ class TransferHandler:
         self.store = store
         self.mover = mover
         self.staging = staging
-        self.copier = PagedCopier(mover, staging, key_space.block_nbytes, device)
+        self.copier = PagedCopier(
+            mover,
+            staging,
+            key_space.block_nbytes,
+            device,
+            num_layers=key_space.num_layers,
+            heads=key_space.heads_per_rank,
+        )
         self.tp_rank = tp_rank
         self.shard = key_space.shard_of(tp_rank)
+        #: Grouping -> the stored shards (and head ranges) holding this rank's heads.
+        self._parts = {
+            g: head_parts(key_space.total_heads, key_space.heads_of(tp_rank), g)
+            for g in key_space.groupings
+        }
         self.is_writer = key_space.writes(tp_rank)
         self.block_nbytes = key_space.block_nbytes
         self.device = device
@@ -157,11 +183,18 @@ class TransferHandler:
             self._layers.future = self._executor().submit(self._run_layers, self._layers, layered)
 
     def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> _Load:
+        """The load of this rank's heads; a grouping it cannot read loads nothing (an error)."""
+        parts = self._parts.get(spec.grouping or self.key_space.num_shards)
+        if parts is None:
+            job = _Load(job_id, spec, [], [], [], meta.pools)
+            job.why = f"grouping {spec.grouping} is not readable here"
+            return job
         return _Load(
             job_id,
             spec,
-            self.key_space.block_keys(spec.block_hashes),
-            meta.slots(spec, self.shard),
+            self.key_space.block_keys(spec.block_hashes, spec.grouping),
+            parts,
+            [meta.slots(spec, p.shard) for p in parts],
             meta.pools,
         )
 
@@ -196,17 +229,18 @@ class TransferHandler:
         """Fetch, scatter (hashing as it copies), verify, record: the one load path."""
         try:
             self._fetch(job, deadline)
-            fetched = job.fetched
-            if fetched is not None and fetched.keys:
-                arrays = fetched.arrays
-                sums: list[int | None] = [None] * len(arrays)
+            n = job.readable
+            if n:
+                sources = job.sources()
+                sums: list[list[int | None]] = [[None] * n for _ in sources]
                 hook: Callable[[int], None] | None = None
                 if self.config.verify_checksums:
 
                     def hook(i: int) -> None:
-                        sums[i] = checksum(arrays[i])
+                        for p, (arrays, _) in enumerate(sources):
+                            sums[p][i] = checksum(arrays[i])
 
-                self.copier.scatter(job.spec.block_ids[: len(arrays)], arrays, hook)
+                self.copier.scatter(job.spec.block_ids[:n], sources, hook)
                 self._verify(job, sums)
         except Exception as e:  # nothing of this load is trusted: recompute it all
             logger.exception("kvray: load of %s failed", job.spec.req_id)
@@ -214,18 +248,35 @@ class TransferHandler:
         return self._record(job)
 
     def _fetch(self, job: _Load, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            job.why = f"load timed out (load_timeout_s={self.config.load_timeout_s})"
+        """Fetch every stored shard the rank needs; keep the blocks all of them could read."""
+        if not job.parts:
             return
         ids = key_ids(job.keys)
-        job.fetched = self.store.fetch_from(job.keys, ids, self.shard, job.slots, job.pools, left)
-        job.why = job.fetched.reason
+        n = len(job.keys)
+        got: list[Fetched] = []
+        for part, slots in zip(job.parts, job.slots, strict=True):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                job.why = f"load timed out (load_timeout_s={self.config.load_timeout_s})"
+                return
+            f = self.store.fetch_from(job.keys[:n], ids[:n], part.shard, slots[:n], job.pools, left)
+            got.append(f)
+            if len(f.keys) < n:
+                n, job.why = len(f.keys), f.reason
+        job.fetched = [
+            f if len(f.keys) == n else Fetched(f.keys[:n], f.reason, f.reads[:n], f.shard, f.pools)
+            for f in got
+        ]
 
-    def _verify(self, job: _Load, sums: list[int | None] | None) -> None:
-        assert job.fetched is not None
-        job.done = self.store.verify(job.fetched, sums)
-        if job.done < len(job.fetched.keys):
+    def _verify(self, job: _Load, sums: list[list[int | None]] | None) -> None:
+        """Every shard is verified (each mismatch is reported to its pool)."""
+        n = job.readable
+        done = [
+            self.store.verify(f, sums[p] if sums is not None else None)
+            for p, f in enumerate(job.fetched)
+        ]
+        job.done = min(done, default=0)
+        if job.done < n:
             job.why = "checksum mismatch"
 
     def _run_layers(self, progress: _Layers, jobs: list[_Load]) -> None:
@@ -235,19 +286,17 @@ class TransferHandler:
         try:
             for job in jobs:
                 self._fetch(job, progress.deadline)
-            copies = [(j.spec, j.fetched.arrays) for j in jobs if j.fetched and j.fetched.keys]
+            copies = [(j.spec.block_ids[: j.readable], j.sources()) for j in jobs if j.readable]
             for layer in range(self.mover.layout.num_layers):
                 if progress.cancelled:
                     raise TimeoutError("the forward pass stopped waiting for this load")
-                for spec, arrays in copies:
-                    self.copier.scatter(
-                        spec.block_ids[: len(arrays)], arrays, layers=(layer, layer + 1)
-                    )
+                for block_ids, sources in copies:
+                    self.copier.scatter(block_ids, sources, layers=(layer, layer + 1))
                 with progress.cv:
                     progress.layers_done = layer + 1
                     progress.cv.notify_all()
             for job in jobs:
-                if job.fetched is not None and job.fetched.keys:
+                if job.readable:
                     self._verify(job, None)
                 self._record(job)
                 recorded.add(job.job_id)
