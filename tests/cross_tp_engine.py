@@ -27,10 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def install_recorder(handler: Any) -> dict[str, dict[str, bytes]]:
     """Wrap a :class:`kvray.connector.transfer.TransferHandler` so that it keeps the bytes of
     this rank's share of every block it loads (after the load) and stores (what it gathers),
-    by block hash (hex). Observation only: the wrapped calls run unchanged."""
+    by block hash (hex), and ``put``: hash -> b"shard/nshards" of each shard it hands to a
+    pool. Observation only: the wrapped calls run unchanged."""
     import torch
 
-    rec: dict[str, dict[str, bytes]] = {"loaded": {}, "stored": {}}
+    rec: dict[str, dict[str, bytes]] = {"loaded": {}, "stored": {}, "put": {}}
+    prefix_len = len(handler.key_space.prefix)
 
     def read(block_ids: list[int]) -> list[bytes]:
         out = torch.empty((len(block_ids), handler.block_nbytes), dtype=torch.uint8)
@@ -51,6 +53,15 @@ def install_recorder(handler: Any) -> dict[str, dict[str, bytes]]:
             rec["stored"][h.hex()] = data
         real_store(job_id, spec)
 
+    io = handler.store.io
+    real_put = io.put
+
+    def put(keys: list[bytes], ids: Any, shard: int, nshards: int, *rest: Any, **kw: Any) -> Any:
+        for k in keys:
+            rec["put"][k[prefix_len:].hex()] = f"{shard}/{nshards}".encode()
+        return real_put(keys, ids, shard, nshards, *rest, **kw)
+
+    io.put = put
     handler.submit_loads, handler.submit_store = submit_loads, submit_store
     handler.recorded = rec
     return rec
