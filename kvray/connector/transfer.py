@@ -26,16 +26,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
 from kvray.blockio import checksum
-from kvray.client import Fetched
 from kvray.config import KVRayConfig
 from kvray.connector.keys import EngineKeySpace
+from kvray.connector.loads import LoadJob, TransferStore
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,
@@ -44,9 +42,9 @@ from kvray.connector.metadata import (
     ReqId,
     StoreSpec,
 )
-from kvray.connector.paged import Mover, PagedCopier, Source
+from kvray.connector.paged import Mover, PagedCopier
 from kvray.kernels import StagingPool
-from kvray.kernels.heads import HeadPart, head_parts
+from kvray.kernels.heads import head_parts
 from kvray.meta.ids import key_ids
 
 logger = logging.getLogger(__name__)
@@ -55,48 +53,6 @@ logger = logging.getLogger(__name__)
 #: step) waits up to this long for one: waiting on a condition releases the GIL to the loader
 #: (an idle engine loop spinning through empty steps starved it: loads took 5-20x longer).
 ASYNC_LOAD_WAIT_S = 0.005
-
-
-class TransferStore(Protocol):
-    """What the handler needs of a :class:`kvray.Store` (no view: workers keep none)."""
-
-    tally: Any
-    io: Any
-
-    def fetch_from(
-        self,
-        keys: list[bytes],
-        ids: np.ndarray,
-        shard: int,
-        slots: list[int],
-        pools: dict[int, str],
-        timeout: float,
-    ) -> Fetched: ...
-
-    def verify(self, fetched: Fetched, sums: list[int | None] | None = None) -> int: ...
-
-
-@dataclass
-class _Load:
-    job_id: JobId
-    spec: LoadSpec
-    keys: list[bytes]
-    #: The stored shards holding this rank's heads, and each one's pool slot per block.
-    parts: list[HeadPart]
-    slots: list[list[int]]
-    pools: dict[int, str]
-    t0: float = field(default_factory=time.perf_counter)
-    #: One per part, all cut to the blocks every part could read.
-    fetched: list[Fetched] = field(default_factory=list)
-    why: str = ""
-    done: int = 0  # leading blocks in place and verified
-
-    @property
-    def readable(self) -> int:
-        return len(self.fetched[0].keys) if self.fetched else 0
-
-    def sources(self) -> list[Source]:
-        return [(f.arrays, part) for f, part in zip(self.fetched, self.parts, strict=True)]
 
 
 class _Layers:
@@ -169,7 +125,7 @@ class TransferHandler:
         """Start (sync: run) the step's loads."""
         self.finish_layers()  # defensive: the previous step's loads are complete
         deadline = time.monotonic() + self.config.load_timeout_s
-        layered: list[_Load] = []
+        layered: list[LoadJob] = []
         for job_id, spec in meta.loads.items():
             job = self._job(job_id, spec, meta)
             if spec.is_async:
@@ -182,28 +138,15 @@ class TransferHandler:
             self._layers = _Layers(deadline)
             self._layers.future = self._executor().submit(self._run_layers, self._layers, layered)
 
-    def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> _Load:
-        """The load of this rank's heads; a grouping it cannot read loads nothing (an error)."""
-        parts = self._parts.get(spec.grouping or self.key_space.num_shards)
-        if parts is None:
-            job = _Load(job_id, spec, [], [], [], meta.pools)
-            job.why = f"grouping {spec.grouping} is not readable here"
-            return job
-        return _Load(
-            job_id,
-            spec,
-            self.key_space.block_keys(spec.block_hashes, spec.grouping),
-            parts,
-            [meta.slots(spec, p.shard) for p in parts],
-            meta.pools,
-        )
+    def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> LoadJob:
+        return LoadJob.plan(self.key_space, self._parts, job_id, spec, meta)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvray-load")
         return self._loader
 
-    def _submit_async(self, job: _Load) -> None:
+    def _submit_async(self, job: LoadJob) -> None:
         with self._lock:
             self._async_inflight += 1
         try:
@@ -216,7 +159,7 @@ class TransferHandler:
                 self._failed_recving.add(job.spec.req_id)
                 self._finished_recving.add(job.spec.req_id)
 
-    def _run_async(self, job: _Load) -> None:
+    def _run_async(self, job: LoadJob) -> None:
         ok = self._run(job, time.monotonic() + self.config.load_timeout_s)
         with self._lock:  # errors are published no later than the request's finished_recving
             if not ok:
@@ -225,7 +168,7 @@ class TransferHandler:
             self._async_inflight -= 1
             self._load_cv.notify_all()
 
-    def _run(self, job: _Load, deadline: float) -> bool:
+    def _run(self, job: LoadJob, deadline: float) -> bool:
         """Fetch, scatter (hashing as it copies), verify, record: the one load path."""
         try:
             self._fetch(job, deadline)
@@ -247,39 +190,13 @@ class TransferHandler:
             job.done, job.why = 0, f"{type(e).__name__}: {e}"
         return self._record(job)
 
-    def _fetch(self, job: _Load, deadline: float) -> None:
-        """Fetch every stored shard the rank needs; keep the blocks all of them could read."""
-        if not job.parts:
-            return
-        ids = key_ids(job.keys)
-        n = len(job.keys)
-        got: list[Fetched] = []
-        for part, slots in zip(job.parts, job.slots, strict=True):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                job.why = f"load timed out (load_timeout_s={self.config.load_timeout_s})"
-                return
-            f = self.store.fetch_from(job.keys[:n], ids[:n], part.shard, slots[:n], job.pools, left)
-            got.append(f)
-            if len(f.keys) < n:
-                n, job.why = len(f.keys), f.reason
-        job.fetched = [
-            f if len(f.keys) == n else Fetched(f.keys[:n], f.reason, f.reads[:n], f.shard, f.pools)
-            for f in got
-        ]
+    def _fetch(self, job: LoadJob, deadline: float) -> None:
+        job.fetch(self.store, deadline, self.config.load_timeout_s)
 
-    def _verify(self, job: _Load, sums: list[list[int | None]] | None) -> None:
-        """Every shard is verified (each mismatch is reported to its pool)."""
-        n = job.readable
-        done = [
-            self.store.verify(f, sums[p] if sums is not None else None)
-            for p, f in enumerate(job.fetched)
-        ]
-        job.done = min(done, default=0)
-        if job.done < n:
-            job.why = "checksum mismatch"
+    def _verify(self, job: LoadJob, sums: list[list[int | None]] | None) -> None:
+        job.verify(self.store, sums)
 
-    def _run_layers(self, progress: _Layers, jobs: list[_Load]) -> None:
+    def _run_layers(self, progress: _Layers, jobs: list[LoadJob]) -> None:
         """Fetch every load of the step, scatter them one layer at a time (the forward pass
         waits in ``wait_for_layer`` only for the layer it needs next), verify, record."""
         recorded: set[JobId] = set()
@@ -344,7 +261,7 @@ class TransferHandler:
         progress.future.result()
         self._layers = None
 
-    def _record(self, job: _Load, why: str | None = None) -> bool:
+    def _record(self, job: LoadJob, why: str | None = None) -> bool:
         """Count a load whose first ``job.done`` blocks are in place; the rest are errors."""
         spec = job.spec
         bad = spec.block_ids[job.done :]
