@@ -13,18 +13,32 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["PREFIX_BYTES", "LayoutFingerprint", "block_hash_bytes", "make_keys"]
+__all__ = [
+    "MAX_GROUPING",
+    "PREFIX_BYTES",
+    "LayoutFingerprint",
+    "block_hash_bytes",
+    "grouped_prefix",
+    "make_keys",
+]
 
 #: Length of the namespace prefix of every key.
 PREFIX_BYTES = 12
+#: Most shards a block is stored in (one byte of the connector's key prefix; the index keeps a
+#: shard mask of 64 bits).
+MAX_GROUPING = 64
 
 
 @dataclass(frozen=True)
 class LayoutFingerprint:
     """Everything that must match for a stored block to be valid for a reader.
 
-    For MLA models every TP rank holds the same latent KV, so the connector builds the
-    fingerprint with ``tp_size=1, tp_rank=0`` there: one shard serves all ranks.
+    ``tp_size`` is the TP size of the engines whose blocks are interchangeable: ``1`` when a
+    stored shard's bytes do not depend on who computed it. The connector builds it so for MLA
+    (every rank holds the same latent KV: one shard serves all ranks) and for layouts whose
+    heads are contiguous per layer (CPU caches: shards are canonical head ranges, see
+    :mod:`kvray.kernels.heads`, and the key carries the grouping, :func:`grouped_prefix`);
+    other layouts keep their TP size, so engines of different TP sizes never share them.
     """
 
     model: str
@@ -59,6 +73,17 @@ class LayoutFingerprint:
 
     def keys(self, block_hashes: Iterable[object]) -> list[bytes]:
         return make_keys(self.prefix, block_hashes)
+
+
+def grouped_prefix(prefix: bytes, grouping: int) -> bytes:
+    """The prefix of the keys of blocks stored in ``grouping`` shards (head ranges): blocks of
+    one layout stored by engines of different TP sizes are distinct index entries, each with
+    one consistent shard count."""
+    if isinstance(grouping, bool) or not isinstance(grouping, int):
+        raise TypeError(f"grouping must be an int, got {type(grouping).__name__}")
+    if not 1 <= grouping <= MAX_GROUPING:
+        raise ValueError(f"grouping must be in 1..{MAX_GROUPING}, got {grouping}")
+    return prefix + bytes((grouping,))
 
 
 def block_hash_bytes(block_hash: object) -> bytes:

@@ -19,7 +19,17 @@ forward pass spent inside ``start_load_kv`` and ``wait_for_layer_load`` (async l
 neither: they cost an extra engine step instead).
 
 The last line is ``ratio recompute_over_kvray=<x> example_over_kvray=<y>`` at 2048 tokens.
-Usage: ``python scripts/bench_e2e.py [--quick]`` (joins RAY_ADDRESS, or starts a local Ray).
+
+``--cross-tp`` runs only the reuse-across-TP-sizes part (issue 13): a TP=1 engine stores the
+prompts; one TP=2 engine (``VLLM_CPU_OMP_THREADS_BIND=0|1``) then measures, interleaved per
+repeat, a recompute at TP=2 (the prompt under a fresh ``cache_salt``: a miss, stored as 2
+shards), a cross-TP hit (the unsalted prompt: each rank slices its heads out of the TP=1
+block) and a same-TP hit (the salted prompt again: 2 shards, stored by itself). It also times
+the scheduler's lookup (same-TP hit, cross-TP hit, miss) and, as the design check, the fetch of
+one block stored as 1 shard vs as per-head shards and the pool metadata per stored shard. Its
+last line is ``ratio cross_tp_hit_over_same_tp_hit=<x>`` at 2048 tokens (target <= 1.2).
+Usage: ``python scripts/bench_e2e.py [--quick] [--cross-tp]`` (joins RAY_ADDRESS, or starts a
+local Ray).
 """
 
 from __future__ import annotations
@@ -91,15 +101,19 @@ def _engine_main(args: argparse.Namespace) -> None:
         max_model_len=longest + 64,
         max_num_batched_tokens=longest + 64,
         max_num_seqs=4,
-        distributed_executor_backend="uni",
+        distributed_executor_backend="uni" if args.tp == 1 else "mp",
+        tensor_parallel_size=args.tp,
         seed=0,
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    def ttft(tokens: list[int]) -> tuple[float, int]:
+    def ttft(tokens: list[int], salt: str | None = None) -> tuple[float, int]:
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if salt:
+            prompt["cache_salt"] = salt
         t0 = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)
+        (out,) = llm.generate([prompt], sp, use_tqdm=False)
         return time.perf_counter() - t0, int(out.num_cached_tokens or 0)
 
     ttft([5, 6, 7] * 40)  # warm-up: first-call costs are nobody's TTFT
@@ -120,6 +134,8 @@ def _engine_main(args: argparse.Namespace) -> None:
                 rec.setdefault(name, []).append(ttft(tokens)[0])
                 hit.setdefault(name, []).append(ttft(tokens)[0])
         result = {"recompute": rec, "vllm-prefix-hit": hit}
+    elif args.phase == "cross":
+        result = _cross_phase(llm, prompts, args.repeats, ttft)
     else:  # read: a fresh engine loading what another process stored
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -156,6 +172,166 @@ def _engine_main(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def _flush_saves(_worker: Any) -> None:
+    """``collective_rpc`` target: this rank's saves are in kvray."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().worker.flush()
+
+
+def _block_hashes(tokens: list[int], salt: str | None) -> list[bytes]:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    req = Request(
+        request_id="bench",
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    return [bytes(h) for h in req.block_hashes[: (len(tokens) - 1) // BLOCK]]
+
+
+def _cross_phase(llm: Any, prompts: dict[str, list[int]], repeats: int, ttft: Any) -> dict:
+    """TP=2: per repeat, recompute (a fresh salt), cross-TP hit, same-TP hit; then lookups."""
+    from vllm_helpers import connector_of
+
+    conn = connector_of(llm)
+    times: dict[str, dict[str, list[float]]] = {}
+    cached: dict[str, dict[str, list[int]]] = {}
+
+    def measure(label: str, name: str, tokens: list[int], salt: str | None) -> None:
+        llm.reset_prefix_cache()
+        t, c = ttft(tokens, salt)
+        times.setdefault(label, {}).setdefault(name, []).append(t)
+        cached.setdefault(label, {}).setdefault(name, []).append(c)
+
+    for r in range(repeats):
+        for name, tokens in prompts.items():
+            salt = f"bench-{os.getpid()}-{r}"
+            measure("recompute-tp2", name, tokens, salt)
+            llm.collective_rpc(_flush_saves)
+            conn.store.sync()
+            measure("cross-tp-hit", name, tokens, None)
+            measure("same-tp-hit", name, tokens, salt)
+    tokens = prompts[max(prompts, key=lambda k: len(prompts[k]))]
+    manager = conn.manager
+    lookups: dict[str, Any] = {}
+    miss = [t + 1 for t in tokens]
+    for label, hashes in (
+        ("same-tp-hit", _block_hashes(tokens, f"bench-{os.getpid()}-0")),
+        ("cross-tp-hit", _block_hashes(tokens, None)),
+        ("miss", _block_hashes(miss, None)),
+    ):
+        found = manager.find(hashes)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            manager.find(hashes)
+        us = (time.perf_counter() - t0) / 2000 * 1e6
+        lookups[label] = {"us": round(us, 1), "blocks": found[0], "grouping": found[1]}
+    lookups["prompt_blocks"] = len(hashes)
+    return {"times": times, "cached": cached, "lookups": lookups}
+
+
+def _design_check(ns: str, blocks: int, block_nbytes: int, heads: int) -> dict[str, Any]:
+    """One grouping per entry vs per-head shards: the fetch (lease + map) of ``blocks``
+    stored as 1 shard vs as ``heads`` shards of a head each, and pool metadata per shard."""
+    import numpy as np
+
+    import kvray
+    from kvray.meta.ids import key_ids
+
+    store = kvray.connect(ns)
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, (blocks, block_nbytes), dtype=np.uint8)
+
+    def meta() -> tuple[int, int]:
+        totals = store.stats()["totals"]
+        return totals.get("meta_bytes", 0), totals.get("blocks", 0)
+
+    m0, b0 = meta()
+    one = [b"design-1-%d" % i for i in range(blocks)]
+    store.io.put(one, key_ids(one), 0, 1, rows).result()
+    m1, b1 = meta()
+    per_head = [b"design-h-%d" % i for i in range(blocks)]
+    part = block_nbytes // heads
+    for s in range(heads):
+        chunk = np.ascontiguousarray(rows[:, s * part : (s + 1) * part])
+        store.io.put(per_head, key_ids(per_head), s, heads, chunk).result()
+    m2, b2 = meta()
+    store.sync()
+    view = store.feed.view
+
+    def fetch(keys: list[bytes], shards: int) -> float:
+        ids = key_ids(keys)
+        t0 = time.perf_counter()
+        got = 0
+        for s in range(shards):
+            slots = view.slot_of(ids, view.locs(ids), s)
+            got += len(store.fetch_from(keys, ids, s, slots, view.pool_names(), 30).keys)
+        assert got == blocks * shards, "design check: blocks not readable"
+        return time.perf_counter() - t0
+
+    t1 = [fetch(one, 1) for _ in range(7)]
+    th = [fetch(per_head, heads) for _ in range(7)]
+    store.close()
+    return {
+        "fetch_ms_one_shard": round(statistics.median(t1) * 1e3, 2),
+        "fetch_ms_per_head_shards": round(statistics.median(th) * 1e3, 2),
+        "pool_meta_bytes_per_shard": round((m1 - m0) / max(1, b1 - b0), 1),
+        "pool_meta_bytes_per_block_one_shard": round((m1 - m0) / blocks, 1),
+        "pool_meta_bytes_per_block_per_head": round((m2 - m1) / blocks, 1),
+        "shards_per_block_per_head": (b2 - b1) // blocks,
+    }
+
+
+def _cross_tp(args: argparse.Namespace, model: str, work: Path, env: dict[str, str]) -> None:
+    """The reuse-across-TP-sizes part (``--cross-tp``); prints its table and ratio last."""
+    import kvray
+
+    t_start = time.perf_counter()
+    lengths = [512, 2048] if args.quick else [512, 2048, 4096]
+    repeats = 3 if args.quick else args.repeats
+    pfile = work / "prompts.json"
+    pfile.write_text(json.dumps(_prompts(lengths, repeats)))
+    ns = f"benchxtp{os.getpid()}"
+    kvray.start(namespace=ns, capacity="2GiB")
+    base = ["--model", model, "--prompts", str(pfile), "--repeats", str(repeats)]
+    kv_args = [*base, "--connector", "kvray", "--namespace", ns]
+    try:
+        _run_engine([*kv_args, "--phase", "write"], work / "xtp-w.json", env)  # TP=1 stores
+        tp2_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        out = _run_engine([*kv_args, "--phase", "cross", "--tp", "2"], work / "xtp-r.json", tp2_env)
+        kv_per_token = 2 * MODEL_SHAPE["layers"] * MODEL_SHAPE["kv_heads"] * 64 * 2
+        design = _design_check(ns, 63, BLOCK * kv_per_token, MODEL_SHAPE["kv_heads"])
+    finally:
+        kvray.stop(ns)
+    med = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in out["times"].items()}
+    hits = {k: {n: min(v) for n, v in d.items()} for k, d in out["cached"].items()}
+    print(
+        f"# TTFT seconds at TP=2 (VLLM_CPU_OMP_THREADS_BIND=0|1), median of {repeats}, "
+        f"interleaved per repeat (model {MODEL_SHAPE}, block {BLOCK}); the TP=1 engine stored"
+    )
+    print(f"{'tokens':>8} " + " ".join(f"{k:>14}" for k in med))
+    for n in map(str, lengths):
+        print(f"{n:>8} " + " ".join(f"{med[k][n]:>14.4f}" for k in med))
+    print("# cached tokens (min over repeats):", json.dumps(hits))
+    print("# scheduler lookup, longest prompt (2000 calls):", json.dumps(out["lookups"]))
+    print("# design check, 63 blocks of 1 MiB, 1 shard vs per-head shards:", json.dumps(design))
+    print(f"# wall time {time.perf_counter() - t_start:.0f} s")
+    for n in map(str, lengths):
+        if n != "2048":
+            ratio = med["cross-tp-hit"][n] / med["same-tp-hit"][n]
+            print(f"# {n} tokens: cross_tp_hit_over_same_tp_hit={ratio:.3f}")
+    x = med["cross-tp-hit"]["2048"] / med["same-tp-hit"]["2048"]
+    print(f"ratio cross_tp_hit_over_same_tp_hit={x:.3f}")
+
+
 def _run_engine(script_args: list[str], out: Path, env: dict[str, str]) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--out", str(out)]
     proc = subprocess.run(cmd + script_args, env=env, capture_output=True, text=True)
@@ -173,12 +349,16 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench"))
     ap.add_argument("--load-modes", default="sync,layerwise,async")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of hit engines")
+    ap.add_argument(
+        "--cross-tp", action="store_true", help="only the reuse-across-TP-sizes part (TP=2)"
+    )
     # engine-process arguments
     ap.add_argument("--out")
     ap.add_argument("--model")
     ap.add_argument("--prompts")
     ap.add_argument("--connector", choices=["none", "kvray", "example"], default="none")
-    ap.add_argument("--phase", choices=["plain", "write", "read"], default="plain")
+    ap.add_argument("--phase", choices=["plain", "write", "read", "cross"], default="plain")
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--namespace", default="bench")
     ap.add_argument("--load-mode", default="sync")
     ap.add_argument("--storage")
@@ -215,6 +395,9 @@ def main() -> None:
         )
         address = ctx.address_info["gcs_address"]
     env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    if args.cross_tp:
+        _cross_tp(args, model, work, env)
+        return
     base = ["--model", model, "--prompts", str(pfile), "--repeats", str(repeats)]
 
     samples: dict[str, dict[str, list[float]]] = {}

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvray.config import ConfigError, KVRayConfig, format_bytes, parse_bytes
-from kvray.keys import PREFIX_BYTES, LayoutFingerprint, check_keys, make_keys
+from kvray.keys import (
+    MAX_GROUPING,
+    PREFIX_BYTES,
+    LayoutFingerprint,
+    check_keys,
+    grouped_prefix,
+    make_keys,
+)
 
 
 @pytest.mark.parametrize(
@@ -186,6 +193,23 @@ def test_fingerprint_rejects_bad_values() -> None:
         _fp(tp_rank=2)
     with pytest.raises(ValueError, match="block_size"):
         _fp(block_size=0)
+
+
+def test_grouped_prefixes_are_distinct_and_validated() -> None:
+    """A block stored in G shards (head ranges) and the same block in G' shards are distinct
+    entries: the grouping is part of the key prefix, right after the fingerprint's digest."""
+    base = _fp(tp_size=1).prefix
+    prefixes = [grouped_prefix(base, g) for g in range(1, MAX_GROUPING + 1)]
+    assert len(set(prefixes)) == MAX_GROUPING
+    assert all(p[:PREFIX_BYTES] == base and len(p) == PREFIX_BYTES + 1 for p in prefixes)
+    # Another fingerprint never meets these, whatever its grouping.
+    other = _fp(tp_size=1, model="other").prefix
+    assert not {grouped_prefix(other, g) for g in (1, 2, 4)} & set(prefixes)
+    for bad in (0, MAX_GROUPING + 1, -1):
+        with pytest.raises(ValueError, match="grouping"):
+            grouped_prefix(base, bad)
+    with pytest.raises(TypeError, match="grouping"):
+        grouped_prefix(base, True)
 
 
 def test_check_keys() -> None:

@@ -4,7 +4,9 @@ It owns the subscription to the index (the store's view and feed) and offers wha
 scheduler needs, all answered locally without an actor call:
 
 - ``lookup(block_hashes)``: how many leading blocks are present (every shard stored);
-- ``prepare_load(block_hashes)``: where each block lives, for the workers (they keep no view);
+  ``find(block_hashes)`` also in the groupings other TP sizes store (reuse across TP sizes);
+- ``prepare_load(block_hashes, grouping)``: where each block lives, for the workers (they keep
+  no view);
 - ``complete_store(...)``: a store job finished on every rank;
 - ``take_events()``: vLLM KV events, built only when ``kv_events_config`` asks for them, from
   the change feed's additions and removals (no scan of everything announced).
@@ -42,6 +44,8 @@ MAX_EVENTS = 1 << 16
 
 class ViewStore(Protocol):
     """What the manager needs of a subscribed :class:`kvray.Store`."""
+
+    tally: Any
 
     @property
     def feed(self) -> Any: ...
@@ -94,14 +98,42 @@ class KVRayCacheManager:
             return 0
         return self.store.lookup(self.key_space.block_keys(block_hashes))
 
+    def find(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """Longest prefix of blocks present in one grouping, and that grouping.
+
+        The engine's own grouping first: a same-TP hit costs one lookup, as without reuse
+        across TP sizes. Another grouping is looked up in full only when it holds the block
+        where the best so far stops (one id each otherwise), so a miss costs one id per
+        grouping more; ties go to the grouping tried first."""
+        ks = self.key_space
+        best, grouping = self.lookup(block_hashes), ks.num_shards
+        if best == len(block_hashes) or len(ks.groupings) == 1:
+            return best, grouping
+        view = self.view
+        found = best
+        for g in ks.groupings[1:]:
+            if not view.contains(ks.block_ids(block_hashes[best : best + 1], g))[0]:
+                continue
+            n = view.lookup(ks.block_ids(block_hashes, g))
+            if n > best:
+                best, grouping = n, g
+            if best == len(block_hashes):
+                break
+        if best > found:  # the store counted these blocks as misses
+            tally = self.store.tally
+            tally.hit_blocks += best - found
+            tally.miss_blocks -= best - found
+        return best, grouping
+
     def present(self, block_hashes: Sequence[bytes]) -> np.ndarray:
         """Which of these blocks are present (for skipping stores)."""
         return self.view.contains(self.key_space.block_ids(block_hashes))
 
-    def prepare_load(self, block_hashes: Sequence[bytes]) -> LoadPlan:
-        """Where each block lives now. A block that vanished since the lookup gets code 0:
-        the workers report it failed and vLLM recomputes it."""
-        ids = self.key_space.block_ids(block_hashes)
+    def prepare_load(self, block_hashes: Sequence[bytes], grouping: int = 0) -> LoadPlan:
+        """Where each block (stored in ``grouping`` shards; 0: the engine's own) lives now. A
+        block that vanished since the lookup gets code 0: the workers report it failed and
+        vLLM recomputes it."""
+        ids = self.key_space.block_ids(block_hashes, grouping)
         view = self.view
         locs = view.locs(ids)
         plan = LoadPlan(locs.tolist())

@@ -5,7 +5,8 @@ each with an integer id. Every TP rank executes its own shard of every job and r
 ``{job_id: 1}`` in its :class:`KVRayWorkerMetadata`; ``aggregate`` sums the reports of all
 ranks, and the scheduler treats a job as done once the sum reaches the world size. Keys travel
 as vLLM block hashes (rank-independent) and loads carry where each block lives (the scheduler's
-view of the index: workers keep no view), so the metadata is identical for all ranks and small.
+view of the index: workers keep no view) and the grouping they were stored in, so the metadata
+is identical for all ranks and small.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class LoadSpec:
     #: shard, or a placement (``KVRayConnectorMetadata.placements``) for split blocks.
     locs: list[int] = field(default_factory=list)
     is_async: bool = False
+    #: Shards the blocks were stored in (their head grouping; 0: the engine's own). Each rank
+    #: reads the stored shards holding its heads (:func:`kvray.kernels.heads.head_parts`).
+    grouping: int = 0
 
 
 @dataclass

@@ -64,6 +64,8 @@ class _RequestState:
     num_local_tokens: int = 0
     load_job: JobId | None = None
     load_is_async: bool = False
+    #: The grouping the last lookup found the hit in (the next load reads it).
+    hit_grouping: int = 0
 
 
 @dataclass
@@ -114,13 +116,20 @@ class KVRayConnectorScheduler:
         self._storing: dict[bytes, JobId] = {}
         self._lora_enabled = lora_enabled
         self.counters = TransferCounters()
-        #: Scheduler-side figures (tests and stats): tokens offered as hits, lookups made.
+        #: Scheduler-side figures (tests and stats): tokens offered as hits (of them, stored by
+        #: engines of another TP size), lookups made.
         self.hit_tokens = 0
+        self.cross_tp_hit_tokens = 0
         self.lookups = 0
 
     # ---------------------------------------------------------------- lookups
     def _present_blocks(self, block_hashes: list[bytes]) -> int:
         """Longest prefix of blocks present in kvray for every shard (local view only)."""
+        return self._find_hit(block_hashes)[0]
+
+    def _find_hit(self, block_hashes: list[bytes]) -> tuple[int, int]:
+        """Longest prefix of blocks present in kvray with every head range this engine's ranks
+        need (local view only), and the grouping it is stored in."""
         n = len(block_hashes)
         if self._quarantine:
             now = time.monotonic()
@@ -131,7 +140,7 @@ class KVRayConnectorScheduler:
                         n = i
                         break
                     del self._quarantine[h]
-        return self.manager.lookup(block_hashes[:n]) if n else 0
+        return self.manager.find(block_hashes[:n]) if n else (0, self.key_space.num_shards)
 
     def _quarantine_blocks(self, hashes: list[bytes]) -> None:
         until = time.monotonic() + FAILED_BLOCK_QUARANTINE_S
@@ -162,7 +171,7 @@ class KVRayConnectorScheduler:
         if max_blocks <= start:
             return 0, False
         self.lookups += 1
-        hit_blocks = self._present_blocks(list(request.block_hashes[:max_blocks]))
+        hit_blocks, state.hit_grouping = self._find_hit(list(request.block_hashes[:max_blocks]))
         if hit_blocks <= start:
             return 0, False
         num_tokens = hit_blocks * bs - num_computed_tokens
@@ -182,7 +191,7 @@ class KVRayConnectorScheduler:
         first = state.num_local_tokens // bs
         last = (state.num_local_tokens + num_external_tokens) // bs
         hashes = [bytes(h) for h in request.block_hashes[first:last]]
-        plan = self.manager.prepare_load(hashes)
+        plan = self.manager.prepare_load(hashes, state.hit_grouping)
         self._new_pools.update(plan.pools)
         self._new_placements.update(plan.placements)
         job_id = next(self._job_ids)
@@ -192,6 +201,7 @@ class KVRayConnectorScheduler:
             block_hashes=hashes,
             locs=plan.locs,
             is_async=self._load_async,
+            grouping=state.hit_grouping or self.key_space.num_shards,
         )
         self._jobs[job_id] = _Job(
             req_id=request.request_id,
@@ -206,6 +216,8 @@ class KVRayConnectorScheduler:
         # Hits are not stored again; a failed load lowers this (update_connector_output).
         state.num_planned_blocks = max(state.num_planned_blocks, last)
         self.hit_tokens += num_external_tokens
+        if state.hit_grouping not in (0, self.key_space.num_shards):
+            self.cross_tp_hit_tokens += num_external_tokens
 
     # ---------------------------------------------------------------- stores
     def _plan_store(self, state: _RequestState, upto_blocks: int, *, finish: bool = False) -> bool:

@@ -4,12 +4,15 @@ Jobs come from the scheduler by id; every load and every store goes through one 
 error path whatever the load mode:
 
 - a **load** fetches its blocks from the pools the metadata names (bounded by
-  ``load_timeout_s``), scatters them into the paged cache (each block hashed by its copy thread
-  right after copying it, while its bytes are in the CPU cache), verifies the checksums and
-  records the result. ``sync`` runs it in the caller (``start_load_kv``), ``async`` on a loader
-  thread, ``layerwise`` on a thread one layer at a time while the forward pass runs. Any failure,
-  an exception included, records the job's blocks from the first bad one on as load errors:
-  vLLM recomputes them; a load never crashes the engine and never waits past its deadline.
+  ``load_timeout_s``): the stored shards holding this rank's heads, in the grouping the load
+  names (one shard at the same TP size; a window of one shard, or pieces of several, when an
+  engine of another TP size stored them), scatters them into the paged cache (each block hashed
+  by its copy thread right after copying it, while its bytes are in the CPU cache), verifies
+  the checksums and records the result. ``sync`` runs it in the caller (``start_load_kv``),
+  ``async`` on a loader thread, ``layerwise`` on a thread one layer at a time while the forward
+  pass runs. Any failure, an exception included, records the job's blocks from the first bad one
+  on as load errors: vLLM recomputes them; a load never crashes the engine and never waits past
+  its deadline.
 - a **store** gathers blocks into staging rows (in pieces that fit the staging pool; while its
   rows are held by puts in flight, into a buffer of the piece's own) and hands them to ``put``,
   which copies them into Ray in the background (bytes in flight bounded by
@@ -25,16 +28,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
 from kvray.blockio import checksum
-from kvray.client import Fetched
 from kvray.config import KVRayConfig
 from kvray.connector.keys import EngineKeySpace
+from kvray.connector.loads import LoadJob, TransferStore
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,
@@ -45,6 +46,7 @@ from kvray.connector.metadata import (
 )
 from kvray.connector.paged import Mover, PagedCopier
 from kvray.kernels import StagingPool
+from kvray.kernels.heads import head_parts
 from kvray.meta.ids import key_ids
 
 logger = logging.getLogger(__name__)
@@ -53,38 +55,6 @@ logger = logging.getLogger(__name__)
 #: step) waits up to this long for one: waiting on a condition releases the GIL to the loader
 #: (an idle engine loop spinning through empty steps starved it: loads took 5-20x longer).
 ASYNC_LOAD_WAIT_S = 0.005
-
-
-class TransferStore(Protocol):
-    """What the handler needs of a :class:`kvray.Store` (no view: workers keep none)."""
-
-    tally: Any
-    io: Any
-
-    def fetch_from(
-        self,
-        keys: list[bytes],
-        ids: np.ndarray,
-        shard: int,
-        slots: list[int],
-        pools: dict[int, str],
-        timeout: float,
-    ) -> Fetched: ...
-
-    def verify(self, fetched: Fetched, sums: list[int | None] | None = None) -> int: ...
-
-
-@dataclass
-class _Load:
-    job_id: JobId
-    spec: LoadSpec
-    keys: list[bytes]
-    slots: list[int]
-    pools: dict[int, str]
-    t0: float = field(default_factory=time.perf_counter)
-    fetched: Fetched | None = None
-    why: str = ""
-    done: int = 0  # leading blocks in place and verified
 
 
 class _Layers:
@@ -120,9 +90,21 @@ class TransferHandler:
         self.store = store
         self.mover = mover
         self.staging = staging
-        self.copier = PagedCopier(mover, staging, key_space.block_nbytes, device)
+        self.copier = PagedCopier(
+            mover,
+            staging,
+            key_space.block_nbytes,
+            device,
+            num_layers=key_space.num_layers,
+            heads=key_space.heads_per_rank,
+        )
         self.tp_rank = tp_rank
         self.shard = key_space.shard_of(tp_rank)
+        #: Grouping -> the stored shards (and head ranges) holding this rank's heads.
+        self._parts = {
+            g: head_parts(key_space.total_heads, key_space.heads_of(tp_rank), g)
+            for g in key_space.groupings
+        }
         self.is_writer = key_space.writes(tp_rank)
         self.block_nbytes = key_space.block_nbytes
         self.device = device
@@ -145,7 +127,7 @@ class TransferHandler:
         """Start (sync: run) the step's loads."""
         self.finish_layers()  # defensive: the previous step's loads are complete
         deadline = time.monotonic() + self.config.load_timeout_s
-        layered: list[_Load] = []
+        layered: list[LoadJob] = []
         for job_id, spec in meta.loads.items():
             job = self._job(job_id, spec, meta)
             if spec.is_async:
@@ -158,21 +140,15 @@ class TransferHandler:
             self._layers = _Layers(deadline)
             self._layers.future = self._executor().submit(self._run_layers, self._layers, layered)
 
-    def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> _Load:
-        return _Load(
-            job_id,
-            spec,
-            self.key_space.block_keys(spec.block_hashes),
-            meta.slots(spec, self.shard),
-            meta.pools,
-        )
+    def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> LoadJob:
+        return LoadJob.plan(self.key_space, self._parts, job_id, spec, meta)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvray-load")
         return self._loader
 
-    def _submit_async(self, job: _Load) -> None:
+    def _submit_async(self, job: LoadJob) -> None:
         with self._lock:
             self._async_inflight += 1
         try:
@@ -185,7 +161,7 @@ class TransferHandler:
                 self._failed_recving.add(job.spec.req_id)
                 self._finished_recving.add(job.spec.req_id)
 
-    def _run_async(self, job: _Load) -> None:
+    def _run_async(self, job: LoadJob) -> None:
         ok = self._run(job, time.monotonic() + self.config.load_timeout_s)
         with self._lock:  # errors are published no later than the request's finished_recving
             if not ok:
@@ -194,62 +170,52 @@ class TransferHandler:
             self._async_inflight -= 1
             self._load_cv.notify_all()
 
-    def _run(self, job: _Load, deadline: float) -> bool:
+    def _run(self, job: LoadJob, deadline: float) -> bool:
         """Fetch, scatter (hashing as it copies), verify, record: the one load path."""
         try:
             self._fetch(job, deadline)
-            fetched = job.fetched
-            if fetched is not None and fetched.keys:
-                arrays = fetched.arrays
-                sums: list[int | None] = [None] * len(arrays)
+            n = job.readable
+            if n:
+                sources = job.sources()
+                sums: list[list[int | None]] = [[None] * n for _ in sources]
                 hook: Callable[[int], None] | None = None
                 if self.config.verify_checksums:
 
                     def hook(i: int) -> None:
-                        sums[i] = checksum(arrays[i])
+                        for p, (arrays, _) in enumerate(sources):
+                            sums[p][i] = checksum(arrays[i])
 
-                self.copier.scatter(job.spec.block_ids[: len(arrays)], arrays, hook)
+                self.copier.scatter(job.spec.block_ids[:n], sources, hook)
                 self._verify(job, sums)
         except Exception as e:  # nothing of this load is trusted: recompute it all
             logger.exception("kvray: load of %s failed", job.spec.req_id)
             job.done, job.why = 0, f"{type(e).__name__}: {e}"
         return self._record(job)
 
-    def _fetch(self, job: _Load, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            job.why = f"load timed out (load_timeout_s={self.config.load_timeout_s})"
-            return
-        ids = key_ids(job.keys)
-        job.fetched = self.store.fetch_from(job.keys, ids, self.shard, job.slots, job.pools, left)
-        job.why = job.fetched.reason
+    def _fetch(self, job: LoadJob, deadline: float) -> None:
+        job.fetch(self.store, deadline, self.config.load_timeout_s)
 
-    def _verify(self, job: _Load, sums: list[int | None] | None) -> None:
-        assert job.fetched is not None
-        job.done = self.store.verify(job.fetched, sums)
-        if job.done < len(job.fetched.keys):
-            job.why = "checksum mismatch"
+    def _verify(self, job: LoadJob, sums: list[list[int | None]] | None) -> None:
+        job.verify(self.store, sums)
 
-    def _run_layers(self, progress: _Layers, jobs: list[_Load]) -> None:
+    def _run_layers(self, progress: _Layers, jobs: list[LoadJob]) -> None:
         """Fetch every load of the step, scatter them one layer at a time (the forward pass
         waits in ``wait_for_layer`` only for the layer it needs next), verify, record."""
         recorded: set[JobId] = set()
         try:
             for job in jobs:
                 self._fetch(job, progress.deadline)
-            copies = [(j.spec, j.fetched.arrays) for j in jobs if j.fetched and j.fetched.keys]
+            copies = [(j.spec.block_ids[: j.readable], j.sources()) for j in jobs if j.readable]
             for layer in range(self.mover.layout.num_layers):
                 if progress.cancelled:
                     raise TimeoutError("the forward pass stopped waiting for this load")
-                for spec, arrays in copies:
-                    self.copier.scatter(
-                        spec.block_ids[: len(arrays)], arrays, layers=(layer, layer + 1)
-                    )
+                for block_ids, sources in copies:
+                    self.copier.scatter(block_ids, sources, layers=(layer, layer + 1))
                 with progress.cv:
                     progress.layers_done = layer + 1
                     progress.cv.notify_all()
             for job in jobs:
-                if job.fetched is not None and job.fetched.keys:
+                if job.readable:
                     self._verify(job, None)
                 self._record(job)
                 recorded.add(job.job_id)
@@ -297,7 +263,7 @@ class TransferHandler:
         progress.future.result()
         self._layers = None
 
-    def _record(self, job: _Load, why: str | None = None) -> bool:
+    def _record(self, job: LoadJob, why: str | None = None) -> bool:
         """Count a load whose first ``job.done`` blocks are in place; the rest are errors."""
         spec = job.spec
         bad = spec.block_ids[job.done :]

@@ -28,6 +28,7 @@ from kvray.connector.metadata import (
 )
 from kvray.connector.transfer import TransferHandler, TransferStore
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
+from kvray.kernels.heads import is_head_major
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,15 @@ class KVRayConnectorWorker:
                 f"{layout.block_nbytes} B/block) do not match the key namespace "
                 f"({ks.base.layout}, {ks.block_nbytes} B/block); refusing to share them"
             )
+        if ks.cross_tp and not (
+            layout.num_heads == ks.heads_per_rank
+            and is_head_major(layout.num_heads, layout.axes, layout.block_size_factor)
+        ):
+            raise RuntimeError(
+                f"kvray connector: the KV caches ({layout.fingerprint}) do not hold this rank's "
+                f"{ks.heads_per_rank} KV head(s) one after the other in each layer, as the key "
+                "namespace (shared across TP sizes) requires; refusing to share them"
+            )
         layerwise = self.config.load_mode == "layerwise" and first.device.type == "cpu"
         if self.config.load_mode == "layerwise" and not layerwise:
             logger.info("kvray: layer-by-layer loads are for CPU caches; loading whole blocks")
@@ -88,11 +98,14 @@ class KVRayConnectorWorker:
             layer_index={name: i for i, name in enumerate(kv_caches)},
         )
         logger.info(
-            "kvray worker rank %d (shard %d of %d): %d layers, %d B per block, layout %s, "
-            "%d staging blocks",
+            "kvray worker rank %d (shard %d of %d, heads %s, %s, reads groupings %s): %d "
+            "layers, %d B per block, layout %s, %d staging blocks",
             self.tp_rank,
             ks.shard_of(self.tp_rank),
             ks.num_shards,
+            ks.heads_of(self.tp_rank),
+            "writes" if ks.writes(self.tp_rank) else "reads only",
+            ks.groupings,
             layout.num_layers,
             layout.block_nbytes,
             layout.fingerprint,

@@ -119,6 +119,8 @@ class BlockMover:
             raise ValueError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
         if buf.dtype != torch.uint8:
             raise ValueError(f"{name} must be uint8, got {buf.dtype}")
+        if buf.dim() == 3 and name == "src":
+            return self._check_layer_view(buf, n)
         if buf.dim() != 2 or buf.shape[1] != nbytes:
             raise ValueError(f"{name} must be [n, block_nbytes={nbytes}], got {list(buf.shape)}")
         if buf.shape[0] < n:
@@ -130,6 +132,21 @@ class BlockMover:
         ):
             raise ValueError(f"{name} is on {buf.device}, the KV cache on {self.device}")
         return buf[:n]
+
+    def _check_layer_view(self, src: torch.Tensor, n: int) -> torch.Tensor:
+        """A scatter source given as ``[n, num_layers, layer_block_nbytes]`` with any row and
+        layer strides (e.g. a head window of bigger stored blocks): CPU caches only."""
+        shape = (self.layout.num_layers, self.layout.layer_block_nbytes)
+        if tuple(src.shape[1:]) != shape or src.stride(2) != 1:
+            raise ValueError(
+                f"src must be [n, {shape[0]}, {shape[1]}] with contiguous layer parts, got "
+                f"{list(src.shape)} with strides {src.stride()}"
+            )
+        if self.device.type != "cpu" or src.device.type != "cpu":
+            raise ValueError("a strided [n, layers, bytes] source is for CPU caches")
+        if src.shape[0] < n:
+            raise ValueError(f"src too small: {src.shape[0]} rows for {n} blocks")
+        return src[:n]
 
     # -- synchronous -----------------------------------------------------------------------
     def gather(self, block_ids: BlockIds, out: torch.Tensor) -> None:
@@ -150,6 +167,10 @@ class BlockMover:
         layers: tuple[int, int] | None = None,
     ) -> None:
         """Copy ``src[i]`` into KV block ``block_ids[i]`` (all layers); returns when done.
+
+        ``src`` is ``[n, block_nbytes]`` (contiguous), or on the CPU a ``[n, num_layers,
+        layer_block_nbytes]`` view with any row and layer strides (a head window of stored
+        blocks, :func:`kvray.kernels.heads.window`), copied without an intermediate buffer.
 
         On CUDA the compute stream is also ordered after the scatter. ``on_rows(pos, length)``
         is called for every row of ``src`` once it is no longer needed in the CPU's cache for

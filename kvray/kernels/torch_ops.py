@@ -131,6 +131,10 @@ class TorchMover:
 
     # -- helpers ---------------------------------------------------------------------------
     def _buffer_view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """``[n, layers, *grid, chunk]`` over a ``[n, block_nbytes]`` buffer or a strided
+        ``[n, layers, layer_nbytes]`` source (its last axis contiguous: it splits in place)."""
+        if buf.dim() == 3:
+            return buf[:n].view(n, *self._block_shape)
         return buf.view(n, *self._block_shape)
 
     def _use_loop(self, runs: list[tuple[int, int, int]], n: int, *, gather: bool) -> bool:
@@ -190,7 +194,7 @@ class TorchMover:
         read those rows (checksums) finds them in the CPU cache instead of reading them from
         memory a second time.
         """
-        buf_np = buf.view(n, *self._block_shape).numpy()
+        buf_np = self._buffer_view(buf, n).numpy()
         combined, layers = self._combined_np, self._layers_np
         layout = self.plan.layout
         threads = self._threads

@@ -1,0 +1,194 @@
+"""One kvray engine at any TP size in a fresh process, for tests/test_cross_tp.py.
+
+``python cross_tp_engine.py --model M --namespace NS --tp 2 --steps steps.json --out out.json``
+runs an engine (EngineCore in this process, TP workers in vLLM's worker processes) through
+*steps*: ``{"prompts": [[token ids]...], "salt": str | null, "reset": bool}`` (``salt`` is
+vLLM's ``cache_salt``: other block hashes, so the engine computes the prompt itself). Every
+rank's connector records, by block hash, the bytes of its share of each block it loaded and
+each block it stored (:func:`install_recorder`), read back with ``collective_rpc``.
+
+The output: per step the token ids and cached tokens; the scheduler's hit figures and transfer
+counters; per rank its heads, whether it writes, its counters and the recorded blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def install_recorder(handler: Any) -> dict[str, dict[str, bytes]]:
+    """Wrap a :class:`kvray.connector.transfer.TransferHandler` so that it keeps the bytes of
+    this rank's share of every block it loads (after the load) and stores (what it gathers),
+    by block hash (hex), and ``put``: hash -> b"shard/nshards" of each shard it hands to a
+    pool. Observation only: the wrapped calls run unchanged."""
+    import torch
+
+    rec: dict[str, dict[str, bytes]] = {"loaded": {}, "stored": {}, "put": {}}
+    prefix_len = len(handler.key_space.prefix)
+
+    def read(block_ids: list[int]) -> list[bytes]:
+        out = torch.empty((len(block_ids), handler.block_nbytes), dtype=torch.uint8)
+        handler.mover.gather(block_ids, out)
+        return [bytes(row.numpy()) for row in out]
+
+    real_loads, real_store = handler.submit_loads, handler.submit_store
+
+    def submit_loads(meta: Any) -> None:
+        real_loads(meta)
+        handler.finish_layers()
+        for spec in meta.loads.values():
+            for h, data in zip(spec.block_hashes, read(spec.block_ids), strict=True):
+                rec["loaded"][h.hex()] = data
+
+    def submit_store(job_id: int, spec: Any) -> None:
+        for h, data in zip(spec.block_hashes, read(spec.block_ids), strict=True):
+            rec["stored"][h.hex()] = data
+        real_store(job_id, spec)
+
+    io = handler.store.io
+    real_put = io.put
+
+    def put(keys: list[bytes], ids: Any, shard: int, nshards: int, *rest: Any, **kw: Any) -> Any:
+        for k in keys:
+            rec["put"][k[prefix_len:].hex()] = f"{shard}/{nshards}".encode()
+        return real_put(keys, ids, shard, nshards, *rest, **kw)
+
+    io.put = put
+    handler.submit_loads, handler.submit_store = submit_loads, submit_store
+    handler.recorded = rec
+    return rec
+
+
+def _handler() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker.handler
+
+
+def rank_install(_worker: Any) -> None:
+    """``collective_rpc`` target: record on this worker."""
+    install_recorder(_handler())
+
+
+def rank_report(_worker: Any) -> dict[str, Any]:
+    """``collective_rpc`` target: wait for this rank's saves; its figures and records."""
+    import dataclasses
+
+    h = _handler()
+    h.flush()
+    ks = h.key_space
+    return {
+        "rank": h.tp_rank,
+        "heads": list(ks.heads_of(h.tp_rank)),
+        "writes": ks.writes(h.tp_rank),
+        "counters": dataclasses.asdict(h.counters()),
+        "recorded": getattr(h, "recorded", {}),
+    }
+
+
+def encode(records: dict[str, dict[str, bytes]]) -> dict[str, dict[str, str]]:
+    return {k: {h: base64.b64encode(v).decode() for h, v in d.items()} for k, d in records.items()}
+
+
+def decode(records: dict[str, dict[str, str]]) -> dict[str, dict[str, bytes]]:
+    return {k: {h: base64.b64decode(v) for h, v in d.items()} for k, d in records.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--namespace", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--steps", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector is here
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm_helpers import connector_of, engine_kwargs, kvray_transfer_config
+
+    kw = engine_kwargs(
+        args.model, kv_transfer_config=kvray_transfer_config(args.namespace), tp=args.tp
+    )
+    if args.tp > 1:
+        kw["distributed_executor_backend"] = "mp"
+    llm = LLM(**kw)
+    import cross_tp_engine as me  # by name, so that the workers import it (not __main__)
+
+    llm.collective_rpc(me.rank_install)
+    sched = connector_of(llm)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    steps = []
+    for step in json.loads(Path(args.steps).read_text()):
+        if step.get("reset"):
+            llm.reset_prefix_cache()
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in step["prompts"]]
+        if step.get("salt"):
+            for p in prompts:
+                p["cache_salt"] = step["salt"]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        steps.append(
+            {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "cached": [int(o.num_cached_tokens or 0) for o in outs],
+            }
+        )
+    ranks = llm.collective_rpc(me.rank_report)
+    sched.store.sync()
+    s = sched.scheduler
+    out = {
+        "steps": steps,
+        "hit_tokens": s.hit_tokens,
+        "cross_tp_hit_tokens": s.cross_tp_hit_tokens,
+        "loaded_blocks": s.counters.loaded_blocks,
+        "failed_blocks": s.counters.failed_blocks,
+        "ranks": [{**r, "recorded": encode(r["recorded"])} for r in ranks],
+    }
+    Path(args.out).write_text(json.dumps(out))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip vLLM + Ray teardown in this throwaway process
+
+
+def run(
+    model: str,
+    namespace: str,
+    steps: list[dict[str, Any]],
+    workdir: str | os.PathLike[str],
+    *,
+    tp: int = 1,
+    timeout: float = 420.0,
+) -> dict[str, Any]:
+    """Run the engine in a fresh process; its output, records decoded."""
+    import subprocess
+    import uuid
+
+    wd = Path(workdir)
+    tag = uuid.uuid4().hex[:8]
+    sfile, ofile = wd / f"steps-{tag}.json", wd / f"out-{tag}.json"
+    sfile.write_text(json.dumps(steps))
+    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--namespace", namespace]
+    cmd += ["--tp", str(tp), "--steps", str(sfile), "--out", str(ofile)]
+    env = dict(os.environ)
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not ofile.exists():
+        raise RuntimeError(f"engine process failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    out = json.loads(ofile.read_text())
+    for r in out["ranks"]:
+        r["recorded"] = decode(r["recorded"])
+    return out
+
+
+if __name__ == "__main__":
+    main()
