@@ -71,29 +71,56 @@ def start(
     address: Address = None,
     capacity: Annotated[str, typer.Option(help="KV bytes per node, e.g. 8GiB")] = "1GiB",
     namespace: Namespace = "default",
+    disk_dir: Annotated[
+        str | None,
+        typer.Option(help="disk tier: segment files under PATH/<namespace>/ on every node"),
+    ] = None,
+    disk_capacity: Annotated[
+        str | None, typer.Option(help="disk tier bytes per node, e.g. 500GiB")
+    ] = None,
+    disk_admit_min_hits: Annotated[
+        int, typer.Option(help="spill only blocks read at least N times")
+    ] = 0,
 ) -> None:
     """Deploy kvray on a running Ray cluster (idempotent): an index and a pool per node."""
     import kvray
     from kvray.actors.join import ensure_ray
 
-    cfg = _config(namespace, address, capacity=capacity)
+    disk: dict[str, Any] = {"disk_admit_min_hits": disk_admit_min_hits}
+    if disk_dir is not None:
+        disk["disk_dir"] = os.path.abspath(os.path.expanduser(disk_dir))
+    if disk_capacity is not None:
+        disk["disk_capacity"] = disk_capacity
+    cfg = _config(namespace, address, capacity=capacity, **disk)
     _run(ensure_ray, cfg.address)
     stats = _run(kvray.start, cfg)
+    tier = ""
+    if cfg.disk_dir is not None:
+        tier = f", disk tier {format_bytes(cfg.disk_capacity)} per node in {cfg.disk_dir}"
     console.print(
         f"kvray started in namespace [bold]{namespace}[/]: {stats['pools']} pool(s), "
-        f"{format_bytes(cfg.capacity)} per node"
+        f"{format_bytes(cfg.capacity)} per node{tier}"
     )
 
 
 @app.command()
-def stop(address: Address = None, namespace: Namespace = "default") -> None:
-    """Remove kvray (and the blocks it holds) from the cluster."""
+def stop(
+    address: Address = None,
+    namespace: Namespace = "default",
+    purge: Annotated[
+        bool, typer.Option("--purge", help="also delete the disk tier's files (kept otherwise)")
+    ] = False,
+) -> None:
+    """Remove kvray (and the blocks it holds in RAM) from the cluster."""
     import kvray
     from kvray.actors.join import ensure_ray
 
     _run(ensure_ray, address)
-    removed = _run(kvray.stop, namespace)
-    console.print(f"kvray stopped in namespace [bold]{namespace}[/]: {removed} actor(s) removed")
+    removed = _run(kvray.stop, namespace, purge=purge)
+    files = "; disk files deleted" if purge else ""
+    console.print(
+        f"kvray stopped in namespace [bold]{namespace}[/]: {removed} actor(s) removed{files}"
+    )
 
 
 @app.command()
@@ -129,16 +156,28 @@ def status(
     if as_json:
         print(json.dumps(stats, indent=2, default=str))
         return
+    console.print(_status_table(namespace, stats["nodes"]))
+    idx = stats["index"]
+    console.print(f"index: {idx['keys']:,} keys, {idx['pools']} live pool(s)")
+
+
+_DISK_COLUMNS = ("disk blocks", "disk used / capacity", "spilled", "promoted", "disk skipped")
+
+
+def _status_table(namespace: str, nodes: dict[str, dict[str, Any]]) -> Table:
+    """One row per node: RAM tier, then (when the pools have one) the disk tier."""
+    disk = any("disk_capacity" in s for s in nodes.values())
     table = Table(title=f"kvray namespace {namespace}")
-    for col in ("node", "blocks", "used / capacity", "hit rate", "evictions", "refused", "lost"):
+    cols = ["node", "blocks", "used / capacity", "hit rate", "evictions", "refused", "lost"]
+    for col in cols + list(_DISK_COLUMNS if disk else ()):
         table.add_column(col, justify="left" if col == "node" else "right")
-    for node_id, s in sorted(stats["nodes"].items()):
+    for node_id, s in sorted(nodes.items()):
         if "error" in s:
-            table.add_row(node_id[:12], "-", s["error"][:40], "-", "-", "-", "-")
+            table.add_row(node_id[:12], "-", s["error"][:40], *["-"] * (len(table.columns) - 3))
             continue
         asked = s["hits"] + s["misses"]
         rate = f"{100 * s['hits'] / asked:.1f}%" if asked else "-"
-        table.add_row(
+        row = [
             node_id[:12],
             f"{s['blocks']:,}",
             f"{format_bytes(s['bytes'])} / {format_bytes(s['capacity'])}",
@@ -146,10 +185,18 @@ def status(
             f"{s['evictions']:,}",
             f"{s['refused']:,}",
             f"{s['lost']:,}",
-        )
-    console.print(table)
-    idx = stats["index"]
-    console.print(f"index: {idx['keys']:,} keys, {idx['pools']} live pool(s)")
+        ]
+        if disk:
+            row += [
+                f"{s.get('disk_blocks', 0):,}",
+                f"{format_bytes(s.get('disk_bytes', 0))} / "
+                f"{format_bytes(s.get('disk_capacity', 0))}",
+                f"{s.get('spilled', 0):,}",
+                f"{s.get('promoted', 0):,}",
+                f"{s.get('disk_skipped', 0):,}",
+            ]
+        table.add_row(*row)
+    return table
 
 
 @app.command()

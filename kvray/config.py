@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -119,7 +120,15 @@ def format_bytes(n: float) -> str:
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _EVICTION_POLICIES = ("lru",)
 _LOAD_MODES = ("sync", "layerwise", "async")
-_SIZE_FIELDS = ("capacity", "segment_bytes", "max_inflight_put_bytes", "staging_bytes")
+_SIZE_FIELDS = (
+    "capacity",
+    "segment_bytes",
+    "max_inflight_put_bytes",
+    "staging_bytes",
+    "disk_capacity",
+)
+#: Upper bound of ``disk_admit_min_hits`` (a higher value would admit nothing, silently).
+MAX_ADMIT_HITS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,14 @@ class KVRayConfig:
     model_id: str | None = None
     #: Extra, free-form labels mixed into the key namespace (e.g. a LoRA or weights revision).
     cache_salt: str = ""
+    #: Local-disk tier: segments RAM evicts go to ``<disk_dir>/<namespace>/`` on each node (an
+    #: absolute path) and survive pool restarts, ``kvray stop``/``start`` and reboots. None: no
+    #: disk tier.
+    disk_dir: str | None = None
+    #: Bytes of segment files per node (``"500GiB"``); required with ``disk_dir``.
+    disk_capacity: int = 0
+    #: Spill only blocks read at least this many times (0: every block RAM evicts).
+    disk_admit_min_hits: int = 0
 
     _extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -224,6 +241,29 @@ class KVRayConfig:
             raise ConfigError("model_id", self.model_id, "expected a string")
         if not isinstance(self.cache_salt, str):
             raise ConfigError("cache_salt", self.cache_salt, "expected a string")
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if self.disk_dir is None:
+            if self.disk_capacity:
+                raise ConfigError(
+                    "disk_capacity", self.disk_capacity, "needs disk_dir (the disk tier's path)"
+                )
+        elif not isinstance(self.disk_dir, str) or not os.path.isabs(self.disk_dir):
+            raise ConfigError("disk_dir", self.disk_dir, "expected an absolute path")
+        elif "\0" in self.disk_dir:
+            raise ConfigError("disk_dir", self.disk_dir, "contains a NUL byte")
+        elif self.disk_capacity < (1 << 20):
+            raise ConfigError(
+                "disk_capacity",
+                self.disk_capacity,
+                "set it to at least 1 MiB (e.g. 100GiB) when disk_dir is set",
+            )
+        v = self.disk_admit_min_hits
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ADMIT_HITS:
+            raise ConfigError(
+                "disk_admit_min_hits", v, f"expected an integer 0 to {MAX_ADMIT_HITS}"
+            )
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -61,6 +61,44 @@ class PoolMetrics:
             boundaries=_LATENCY_BOUNDARIES,
             tag_keys=keys,
         )
+        # The disk tier (issue 12): gauges set and counters advanced from its figures.
+        self._disk_gauges = {
+            "disk_blocks": metrics.Gauge(
+                "kvray_pool_disk_blocks", "Blocks in the disk tier's files", tag_keys=keys
+            ),
+            "disk_bytes": metrics.Gauge(
+                "kvray_pool_disk_bytes_used", "Bytes of the disk tier's files", tag_keys=keys
+            ),
+            "disk_capacity": metrics.Gauge(
+                "kvray_pool_disk_capacity_bytes", "Capacity of the disk tier", tag_keys=keys
+            ),
+            "spilling_bytes": metrics.Gauge(
+                "kvray_pool_spilling_bytes",
+                "Bytes on their way to disk (object store, outside the RAM count)",
+                tag_keys=keys,
+            ),
+        }
+        self._disk_counters = {
+            "spilled": metrics.Counter(
+                "kvray_pool_blocks_spilled", "Blocks written to the disk tier", tag_keys=keys
+            ),
+            "promoted": metrics.Counter(
+                "kvray_pool_blocks_promoted", "Blocks read back from disk to RAM", tag_keys=keys
+            ),
+            "disk_evictions": metrics.Counter(
+                "kvray_pool_disk_evictions", "Blocks evicted from the disk tier", tag_keys=keys
+            ),
+            "disk_skipped": metrics.Counter(
+                "kvray_pool_disk_skipped",
+                "Blocks RAM evicted that could not go to disk (queue full, write failed)",
+                tag_keys=keys,
+            ),
+            "disk_corrupt": metrics.Counter(
+                "kvray_pool_disk_corrupt_files",
+                "Disk files found truncated, corrupt or foreign (skipped)",
+                tag_keys=keys,
+            ),
+        }
 
     @staticmethod
     def disabled() -> PoolMetrics:
@@ -101,6 +139,16 @@ class PoolMetrics:
     def lost(self, n: int) -> None:
         if n:
             self._lost.inc(n, tags=self._tags)
+
+    def disk(self, figures: dict[str, int], last: dict[str, int]) -> None:
+        """The disk tier's figures now, and the ones reported last time (counters advance by
+        the difference)."""
+        for name, gauge in self._disk_gauges.items():
+            gauge.set(figures.get(name, 0), tags=self._tags)
+        for name, counter in self._disk_counters.items():
+            delta = figures.get(name, 0) - last.get(name, 0)
+            if delta > 0:
+                counter.inc(delta, tags=self._tags)
 
 
 class IndexMetrics:

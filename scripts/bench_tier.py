@@ -43,11 +43,10 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 
-from kvray.actors import segfile
-from kvray.actors.disk import DiskTier
-from kvray.actors.diskwrite import GROUP_BYTES
-from kvray.actors.payload import Payload, block_checksum
 from kvray.actors.segment import SegmentMeta
+from kvray.disk import DiskTier, segfile
+from kvray.disk.payload import Payload, block_checksum
+from kvray.disk.writer import GROUP_BYTES
 
 MiB = 1 << 20
 GiB = 1 << 30

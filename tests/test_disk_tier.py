@@ -13,11 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from kvray.actors import segfile
-from kvray.actors.disk import DiskSegment, DiskTier, admit
-from kvray.actors.payload import Payload, block_checksum, check_payload, meta_digest
 from kvray.actors.segment import SegmentMeta
 from kvray.config import ConfigError
+from kvray.disk import DiskSegment, DiskTier, admit, segfile
+from kvray.disk.payload import Payload, block_checksum, check_payload, meta_digest
 from kvray.errors import BlockLostError, KVRayError
 
 MiB = 1 << 20
@@ -255,7 +254,7 @@ def test_read_of_a_file_corrupted_after_scan_is_lost_and_deleted(tmp_path) -> No
 
 _CRASHER = """
 import sys, time, numpy as np
-from kvray.actors.disk import DiskTier
+from kvray.disk import DiskTier
 from kvray.actors.segment import SegmentMeta
 tier = DiskTier(sys.argv[1], "ns", 256 << 20, max_pending_bytes=32 << 20)
 tier.scan()
@@ -525,3 +524,55 @@ def test_a_group_larger_than_the_tier_is_written_in_chunks_that_fit(tmp_path) ->
     assert (stats["spilled"], stats["disk_evictions"], stats["disk_blocks"]) == (18, 12, 6)
     for seg in rec.live.values():
         assert_same_blocks(tier.read(seg), segments[seg.id - 1][1], 3)
+
+
+def test_tags_come_back_with_what_landed_and_what_did_not(tmp_path) -> None:
+    """The owner names its segments with ``tag``: ``on_spilled`` gives it back with the file,
+    ``on_dropped`` when the file could not be written (here: its Arrow framing makes it larger
+    than the whole tier, which ``spill`` cannot know before building it)."""
+    rng = np.random.default_rng(11)
+    tier = DiskTier(tmp_path, "ns", 1 * MiB)
+    tier.scan()
+    spilled: list[tuple[int, int]] = []
+    dropped: list[int] = []
+    tier.on_spilled = lambda seg: spilled.append((seg.tag, len(seg.meta)))
+    tier.on_dropped = dropped.extend
+    tier.start()
+    ok_meta, ok_payload = make_segment(rng, 4, 4096, "array")
+    assert tier.spill(ok_meta, ok_payload, tag=7)
+    probe, _ = make_segment(rng, 1, 64, "array")
+    size = MiB - probe.meta_nbytes - 8  # fits spill's estimate, not the file's framing
+    meta, payload = make_segment(rng, 1, size, "array")
+    assert tier.spill(meta, payload, tag=9)
+    with pytest.raises(TypeError, match="tag"):
+        tier.spill(ok_meta, ok_payload, tag="x")  # type: ignore[arg-type]
+    assert tier.close(timeout=60)
+    assert spilled == [(7, 4)]
+    assert dropped == [9]
+    assert tier.stats()["disk_skipped"] == 1
+
+
+def test_an_owner_gets_its_own_slot_back(tmp_path) -> None:
+    """Pools on one host name their tiers by node id: each finds its own files again, whatever
+    order they restart in, and waits for a predecessor of the same owner that still holds the
+    slot (an actor restart, a stop then start)."""
+    rng = np.random.default_rng(12)
+    a = DiskTier(tmp_path, "ns", 8 * MiB, owner="node-a")
+    b = DiskTier(tmp_path, "ns", 8 * MiB, owner="node-b")
+    assert (os.path.basename(a.dir), os.path.basename(b.dir)) == ("0", "1")
+    rec = _spill_and_close(b, [make_segment(rng, 2, 4096, "array")])
+    a.close()
+    b_again = DiskTier(tmp_path, "ns", 8 * MiB, owner="node-b")  # slot 0 is free, 1 is b's
+    assert b_again.dir == b.dir
+    assert {s.id for s in b_again.scan()} == set(rec.live)
+    stranger = DiskTier(tmp_path, "ns", 8 * MiB, owner="node-c")
+    assert os.path.basename(stranger.dir) == "0"  # a new node (a reboot): the first free slot
+    stranger.close()
+    release = threading.Timer(0.5, b_again.close)
+    release.start()
+    t0 = time.monotonic()
+    successor = DiskTier(tmp_path, "ns", 8 * MiB, owner="node-b")  # waits for b_again to go
+    assert successor.dir == b.dir and time.monotonic() - t0 >= 0.4
+    successor.close()
+    with pytest.raises(ConfigError, match="owner"):
+        DiskTier(tmp_path, "ns", 8 * MiB, owner="two\nlines")

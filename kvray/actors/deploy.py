@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -36,7 +37,8 @@ from kvray.actors.types import (
     pool_prefix,
 )
 from kvray.config import KVRayConfig
-from kvray.errors import NotStartedError, StoreUnavailableError
+from kvray.disk import DiskSettings
+from kvray.errors import InvalidArgumentError, NotStartedError, StoreUnavailableError
 from kvray.meta.holders import MAX_POOLS
 
 logger = logging.getLogger(__name__)
@@ -170,6 +172,7 @@ class Reconciler:
             self._cfg.lease_timeout_s,
             self._cfg.get_timeout_s,
             publish_interval(len(self._pools) + 1),
+            DiskSettings.from_config(self._cfg),
         )
         info = NodeInfo(slot, node_id, pool_name(self._ns, node_id), self._cfg.capacity)
         self._pools[node_id] = _PoolRecord(slot, info, handle)
@@ -243,11 +246,12 @@ def spawn_pool(
     lease_timeout_s: float,
     get_timeout_s: float,
     publish_interval_s: float,
+    disk: DiskSettings | None = None,
 ) -> Any:
     """Get or create the pool of ``node_id``: detached, pinned to its node, named.
 
     The capacity is clamped to 80% of the node's object store so the pool never makes Ray
-    spill or refuse objects of other users.
+    spill or refuse objects of other users. ``disk``: its disk tier (None: RAM only).
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -261,6 +265,9 @@ def spawn_pool(
                 limit,
             )
             capacity = limit
+            if disk is not None:  # what is on its way to disk must fit beside it, too
+                pending = max(1 << 20, min(disk.max_pending_bytes, capacity // 4))
+                disk = dataclasses.replace(disk, max_pending_bytes=pending)
     return BlockPoolActor.options(  # type: ignore[attr-defined]
         name=pool_name(namespace, node_id),
         namespace=RAY_NAMESPACE,
@@ -279,6 +286,7 @@ def spawn_pool(
         lease_timeout_s,
         get_timeout_s,
         publish_interval_s,
+        disk,
         run=True,
     )
 
@@ -333,13 +341,15 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
         raise StoreUnavailableError(
             f"kvray: the reconciler in namespace {cfg.namespace!r} did not come up in time"
         ) from e
-    if running["capacity"] != cfg.capacity:
-        logger.warning(
-            "kvray already runs in namespace %r with capacity %d (asked %d); kept as it is",
-            cfg.namespace,
-            running["capacity"],
-            cfg.capacity,
-        )
+    for key in ("capacity", "disk_dir", "disk_capacity", "disk_admit_min_hits"):
+        if running.get(key) != getattr(cfg, key):
+            logger.warning(
+                "kvray already runs in namespace %r with %s=%r (asked %r); kept as it is",
+                cfg.namespace,
+                key,
+                running.get(key),
+                getattr(cfg, key),
+            )
     stats["pools"] = pools
     stats["index_shards"] = k
     logger.info(
@@ -348,8 +358,13 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
     return stats
 
 
-def stop(namespace: str = "default") -> int:
-    """Remove kvray's actors (and so its blocks) from the cluster. Returns actors removed."""
+def stop(namespace: str = "default", purge: bool = False) -> int:
+    """Remove kvray's actors (and so the blocks they hold in RAM) from the cluster; returns the
+    actors removed. Each pool first closes its disk tier (queued writes finish, its files stay
+    for the next ``start`` with the same ``disk_dir``); ``purge=True`` deletes them instead:
+    every segment file of the namespace on the hosts of running pools."""
+    if not isinstance(purge, bool):
+        raise InvalidArgumentError(f"kvray.stop: purge must be True or False, got {purge!r}")
     ensure_ray(None)
     names: list[str] = []
     try:
@@ -367,12 +382,36 @@ def stop(namespace: str = "default") -> int:
         ray.kill(control, no_restart=True)
     removed = 1 if control is not None else 0
     prefixes = (f"{namespace}/index/", pool_prefix(namespace))
+    actors = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         name = actor["name"]
         if actor.get("namespace") == RAY_NAMESPACE and (name in names or name.startswith(prefixes)):
-            try:
-                ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
-                removed += 1
-            except ValueError:
-                pass
+            with contextlib.suppress(ValueError):
+                actors[name] = ray.get_actor(name, namespace=RAY_NAMESPACE)
+    _close_disks(
+        [h for name, h in actors.items() if name.startswith(pool_prefix(namespace))], purge
+    )
+    for handle in actors.values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+            removed += 1
     return removed
+
+
+#: How long ``stop`` gives pools to finish queued disk writes (or a purge) before killing them.
+CLOSE_DISK_TIMEOUT_S = 30.0
+
+
+def _close_disks(pools: list[Any], purge: bool) -> None:
+    """Have every pool close its disk tier (and purge it); a pool that does not answer in
+    time is killed anyway (its queued writes are lost, never half-visible)."""
+    refs = [p.close_disk.remote(purge, CLOSE_DISK_TIMEOUT_S - 5) for p in pools]
+    deadline = time.monotonic() + CLOSE_DISK_TIMEOUT_S
+    deleted = 0
+    for ref in refs:
+        try:
+            deleted += ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except Exception as e:
+            logger.warning("kvray stop: a pool did not close its disk tier: %s", e)
+    if purge:
+        logger.info("kvray stop: purged %d disk file(s)", deleted)

@@ -18,8 +18,10 @@ from kvray.actors.segment import SegmentMeta
 __all__ = [
     "Payload",
     "admit",
+    "bad_blocks",
     "block_checksum",
     "check_payload",
+    "check_select",
     "meta_digest",
     "payload_nbytes",
 ]
@@ -80,6 +82,22 @@ def check_payload(meta: SegmentMeta, payload: Payload, where: str = "payload") -
             raise TypeError(f"{where}: block {i} must be a 1D C-contiguous uint8 array")
         if a.nbytes != sizes[i]:
             raise ValueError(f"{where}: block {i} has {a.nbytes} bytes, not {sizes[i]}")
+
+
+def check_select(meta: SegmentMeta, select: object, where: str) -> np.ndarray:
+    """``select`` as int64 positions; ``ValueError`` unless 1D, increasing and < len(meta)."""
+    sel = np.asarray(select, dtype=np.int64)
+    if sel.ndim != 1:
+        raise ValueError(f"{where}: select must be 1D, got shape {sel.shape}")
+    if len(sel) and (sel[0] < 0 or sel[-1] >= len(meta) or np.any(np.diff(sel) <= 0)):
+        raise ValueError(f"{where}: select must be increasing positions < {len(meta)}")
+    return sel
+
+
+def bad_blocks(meta: SegmentMeta, payload: Payload) -> list[int]:
+    """Positions of the blocks whose xxh3 differs from ``meta.checksums``."""
+    sums = meta.checksums.tolist()
+    return [i for i, s in enumerate(sums) if block_checksum(payload[i]) != s]
 
 
 def admit(hits: np.ndarray | Sequence[int], min_hits: int) -> np.ndarray | None:

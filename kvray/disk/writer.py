@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kvray.actors import segfile
-from kvray.actors.diskslot import Slot
-from kvray.actors.payload import Payload
 from kvray.actors.segment import SegmentMeta
+from kvray.disk import segfile
+from kvray.disk.payload import Payload
+from kvray.disk.slot import Slot
 
 __all__ = ["GROUP_BYTES", "GROUP_FILES", "Job", "SegmentFile", "chunks", "prepare", "write_files"]
 
@@ -38,6 +38,7 @@ class Job:
     payload: Payload
     select: np.ndarray | None
     nbytes: int
+    tag: int = 0
 
     @property
     def blocks(self) -> int:
@@ -53,6 +54,8 @@ class SegmentFile:
     batch: pa.RecordBatch
     size: int
     block_nbytes: int
+    tag: int = 0
+    job_id: int = 0
     seg_id: int = 0
 
 
@@ -67,7 +70,8 @@ def prepare(job: Job, namespace: str, fingerprint: str) -> SegmentFile:
             payload = [payload[i] for i in job.select.tolist()]
     schema, batch = segfile.build_batch(meta, payload, namespace, fingerprint)
     block_nbytes = int(payload.shape[1]) if isinstance(payload, np.ndarray) else 0
-    return SegmentFile(meta, schema, batch, segfile.file_nbytes(schema, batch), block_nbytes)
+    size = segfile.file_nbytes(schema, batch)
+    return SegmentFile(meta, schema, batch, size, block_nbytes, job.tag, id(job))
 
 
 def chunks(files: list[SegmentFile], capacity: int) -> Iterator[list[SegmentFile]]:

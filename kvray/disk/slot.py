@@ -1,11 +1,14 @@
 """Slots: the directory of one disk tier, owned through an exclusive ``flock``.
 
-``<root>/<namespace>/<k>/`` is slot ``k``. A tier takes the first slot whose ``.lock`` it can
-lock (``LOCK_EX | LOCK_NB``) and holds it for its life; the kernel releases the lock when the
-process exits, however it exits. So two pools on one host (simulated Ray nodes) never share
-files, and the single pool of a machine takes slot 0 again after a restart or a reboot and finds
-its files. Lock files and slot directories are never deleted: deleting a lock file another
-process has open would let two processes "hold" the same slot.
+``<root>/<namespace>/<k>/`` is slot ``k``. A tier takes a slot whose ``.lock`` it can lock
+(``LOCK_EX | LOCK_NB``) and holds it for its life; the kernel releases the lock when the process
+exits, however it exits. So two pools on one host (simulated Ray nodes) never share files.
+Which slot: the one whose lock file names the tier's ``owner`` (a pool passes its Ray node id),
+waiting up to ``wait_s`` for a predecessor of that owner that is still exiting (an actor
+restart, ``kvray stop`` then ``start``); else the first free one. So each simulated node finds
+its own files again, and the single pool of a machine, whose node id changes with a reboot,
+takes slot 0 again. Lock files and slot directories are never deleted: deleting a lock file
+another process has open would let two processes "hold" the same slot.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import fcntl
 import os
 import re
+import time
 from collections.abc import Iterator
 
 from kvray.errors import KVRayError
@@ -47,24 +51,50 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
+def _owner_of(path: str) -> str:
+    """The owner named in a slot's lock file (second line; "" if none)."""
+    try:
+        with open(os.path.join(path, ".lock")) as f:
+            lines = f.read(512).splitlines()
+    except OSError:
+        return ""
+    return lines[1] if len(lines) > 1 else ""
+
+
 class Slot:
     """The slot directory this process holds under ``base`` (``<root>/<namespace>``)."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, owner: str = "", wait_s: float = 10.0) -> None:
         self.base = base
+        os.makedirs(base, exist_ok=True)
+        if owner:
+            for k in range(MAX_SLOTS):
+                path = os.path.join(base, str(k))
+                if os.path.isdir(path) and _owner_of(path) == owner and self._take(path, wait_s):
+                    self._claim(owner)
+                    return
         for k in range(MAX_SLOTS):
             path = os.path.join(base, str(k))
             os.makedirs(path, exist_ok=True)
-            fd = _open_lock(path)
-            if not _try_lock(fd):
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())  # for people, not for the lock
-            self.dir = path
-            self._fd = fd
-            return
+            if self._take(path, 0.0):
+                self._claim(owner)
+                return
         raise KVRayError(f"kvray disk tier: all {MAX_SLOTS} slots under {base} are in use")
+
+    def _take(self, path: str, wait_s: float) -> bool:
+        fd = _open_lock(path)
+        deadline = time.monotonic() + wait_s
+        while not _try_lock(fd):
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return False
+            time.sleep(0.05)
+        self.dir, self._fd = path, fd
+        return True
+
+    def _claim(self, owner: str) -> None:
+        os.ftruncate(self._fd, 0)  # the pid is for people; the owner picks the slot next time
+        os.pwrite(self._fd, f"{os.getpid()}\n{owner}\n".encode(), 0)
 
     def release(self) -> None:
         """Give up the slot (closing the descriptor drops the lock). Idempotent."""

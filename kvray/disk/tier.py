@@ -1,17 +1,18 @@
 """The local-disk tier of a block pool: segments spilled to Arrow IPC files (issue 12).
 
-Files live in ``<root>/<namespace>/<k>/``, ``<k>`` being the first slot ``0, 1, 2, ...`` whose
-``.lock`` this process can ``flock`` exclusively (held for the tier's life): several pools on one
-host (simulated Ray nodes) never share files, and the one pool of a machine finds its slot, and
-its files, again after a restart or a reboot. One file per segment (``<id:016x>.arrow``, format
-in :mod:`.segfile`), written by one background thread (:mod:`.diskwrite`) to ``<name>.tmp``,
+Files live in ``<root>/<namespace>/<k>/``, slot ``<k>`` being a directory whose ``.lock`` this
+process can ``flock`` exclusively (held for the tier's life; :mod:`.slot` says which): several
+pools on one host (simulated Ray nodes) never share files, and a pool finds its slot, and its
+files, again after a restart or a reboot. One file per segment (``<id:016x>.arrow``, format
+in :mod:`.segfile`), written by one background thread (:mod:`.writer`) to ``<name>.tmp``,
 fsynced and renamed, a group of queued segments at a time: a crash mid-write leaves only
 temporary files, which :meth:`scan` deletes. Before writing, the writer evicts least recently
 used files until the new ones fit, so the bytes of the slot's files never exceed ``capacity``.
 
 Nothing here blocks a caller on the disk: :meth:`DiskTier.spill` queues (bounded by
 ``max_pending_bytes``) or refuses, counted. The owner learns what reached and what left the disk
-through ``on_spilled`` / ``on_evicted``, called from the writer thread outside the tier's lock.
+through ``on_spilled`` / ``on_evicted``, and what did not make it through ``on_dropped``
+(a write failed), all called from the writer thread outside the tier's lock.
 Invalid files found by :meth:`scan` or :meth:`read` are deleted (not moved aside: they would
 take space outside ``capacity``), with a warning, and counted in ``disk_corrupt``.
 """
@@ -22,15 +23,18 @@ import logging
 import os
 import re
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvray.actors import segfile
-from kvray.actors.diskslot import Slot, unlink
-from kvray.actors.diskwrite import (
+from kvray.actors.segment import SegmentMeta
+from kvray.config import ConfigError, parse_bytes
+from kvray.disk import segfile
+from kvray.disk.files import Counters, DiskSegment, FileIndex, scan_slot
+from kvray.disk.payload import Payload, bad_blocks, check_payload, check_select
+from kvray.disk.slot import Slot, unlink
+from kvray.disk.writer import (
     GROUP_BYTES,
     GROUP_FILES,
     Job,
@@ -39,41 +43,13 @@ from kvray.actors.diskwrite import (
     prepare,
     write_files,
 )
-from kvray.actors.payload import Payload, admit, block_checksum, check_payload
-from kvray.actors.segment import SegmentMeta
-from kvray.config import ConfigError, parse_bytes
 from kvray.errors import BlockLostError, KVRayError
 
-__all__ = ["DiskSegment", "DiskTier", "admit"]
+__all__ = ["DiskTier"]
 
 logger = logging.getLogger(__name__)
 
-#: Files whose metadata a scan asks the kernel for at once (bounds the page cache it fills).
-_PREFETCH = 64
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-@dataclass(frozen=True, eq=False)
-class DiskSegment:
-    """One segment file: its blocks, size on disk, and ``block_nbytes`` (0: variable sizes)."""
-
-    id: int
-    path: str
-    meta: SegmentMeta = field(repr=False)
-    file_bytes: int
-    block_nbytes: int
-
-
-@dataclass
-class _Counters:
-    spilled: int = 0
-    spilled_bytes: int = 0
-    scanned: int = 0
-    evictions: int = 0
-    removed: int = 0
-    skipped: int = 0
-    corrupt: int = 0
-    write_errors: int = 0
 
 
 class DiskTier:
@@ -88,6 +64,7 @@ class DiskTier:
         max_pending_bytes: int | str = 256 << 20,
         max_files: int = 16384,
         fingerprint: str = "",
+        owner: str = "",
     ) -> None:
         if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
             raise ConfigError("namespace", namespace, "use 1-64 letters, digits, '_', '-' or '.'")
@@ -101,29 +78,29 @@ class DiskTier:
             raise ConfigError("max_files", max_files, "must be an int >= 1")
         if not isinstance(fingerprint, str):
             raise ConfigError("fingerprint", fingerprint, "expected a string")
+        if not isinstance(owner, str) or "\n" in owner:
+            raise ConfigError("owner", owner, "expected a one-line string")
         self.namespace = namespace
         self.fingerprint = fingerprint
         self.max_files = max_files
         self.base = os.path.join(os.fspath(root), namespace)
         self.on_spilled: Callable[[DiskSegment], None] | None = None
         self.on_evicted: Callable[[list[DiskSegment]], None] | None = None
+        self.on_dropped: Callable[[list[int]], None] | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._files: OrderedDict[int, DiskSegment] = OrderedDict()  # LRU first
-        self._used = 0  # bytes of files in _files
-        self._reserved = 0  # bytes of the file being written
-        self._blocks = 0
+        self._files = FileIndex(self.capacity, max_files)
         self._queue: deque[Job] = deque()
         self._pending = 0  # payload bytes queued or being written
         self._generation = 0  # bumped by purge: a write that started before lands nowhere
-        self._counters = _Counters()
+        self._counters = Counters()
         self._scanned = False
         self._closing = False
         self._writer: threading.Thread | None = None
         self._writer_done = False
         self._release_on_exit = False
         try:
-            self._slot = Slot(self.base)
+            self._slot = Slot(self.base, owner)
         except OSError as e:
             raise ConfigError("disk_dir", os.fspath(root), f"cannot use it: {e}") from None
         self.dir = self._slot.dir
@@ -141,38 +118,16 @@ class DiskTier:
         """
         if self._writer is not None:
             raise KVRayError("DiskTier.scan: call it before start()")
-        for name in self._slot.delete_temporary():
-            logger.info("kvray disk tier: removed %s of an interrupted write", name)
-        found: list[tuple[int, int, DiskSegment]] = []
-        corrupt = 0
-        listed = self._slot.segments()
-        for i, (seg_id, path) in enumerate(listed):
-            if i % _PREFETCH == 0:
-                segfile.prefetch([p for _, p in listed[i : i + _PREFETCH]])
-            try:
-                st = os.stat(path)
-                meta, block_nbytes = segfile.read_meta(path, self.namespace, self.fingerprint)
-            except segfile.SegmentFileError as e:
-                logger.warning("kvray disk tier: deleting invalid file %s: %s", path, e)
-                unlink(path)
-                corrupt += 1
-                continue
-            except OSError as e:  # unreadable now: a cache may lose it, capacity must hold
-                logger.warning("kvray disk tier: deleting unreadable file %s: %s", path, e)
-                unlink(path)
-                continue
-            seg = DiskSegment(seg_id, path, meta, st.st_size, block_nbytes)
-            found.append((st.st_mtime_ns, seg.id, seg))
-        found.sort(key=lambda t: (t[0], t[1]))
+        found, corrupt = scan_slot(self._slot, self.namespace, self.fingerprint)
         with self._lock:
-            self._files = OrderedDict((seg.id, seg) for _, _, seg in found)
-            self._used = sum(seg.file_bytes for seg in self._files.values())
-            self._blocks = sum(len(seg.meta) for seg in self._files.values())
-            self._counters.scanned += self._blocks
+            self._files.clear()
+            for seg in found:
+                self._files.add(seg)
+            self._counters.scanned += self._files.blocks
             self._counters.corrupt += corrupt
             gone = self._evict_for(0, 0)
             self._scanned = True
-            survivors = list(self._files.values())
+            survivors = list(self._files.files.values())
         for seg in gone:
             unlink(seg.path)
         return survivors
@@ -188,27 +143,32 @@ class DiskTier:
             self._writer = threading.Thread(target=self._run, name="kvray-disk-writer", daemon=True)
             self._writer.start()
 
-    def spill(self, meta: SegmentMeta, payload: Payload, select: np.ndarray | None = None) -> bool:
+    def spill(
+        self,
+        meta: SegmentMeta,
+        payload: Payload,
+        select: np.ndarray | None = None,
+        *,
+        tag: int = 0,
+    ) -> bool:
         """Queue a segment (or the blocks ``select`` of it) for writing; never waits.
 
         Returns False, counting the blocks in ``disk_skipped``, when they would push the queued
         bytes past ``max_pending_bytes``, cannot fit in ``capacity`` at all, or the tier is
-        closed (an empty ``select``, e.g. from :func:`admit`, is False and not counted). The
-        payload's arrays are held (not copied) until written.
+        closed (an empty ``select``, e.g. from :func:`~kvray.disk.payload.admit`, is False and
+        not counted). The payload's arrays are held (not copied) until written. ``tag`` comes
+        back in the :class:`DiskSegment` given to ``on_spilled``, or in ``on_dropped`` when the
+        write fails.
         """
         if self._writer is None:
             raise KVRayError("DiskTier.spill: call start() first")
+        if isinstance(tag, bool) or not isinstance(tag, int):
+            raise TypeError(f"DiskTier.spill: tag must be an int, got {tag!r}")
         check_payload(meta, payload, "DiskTier.spill")
         if select is not None:
-            select = np.asarray(select, dtype=np.int64)
-            if select.ndim != 1:
-                raise ValueError(f"DiskTier.spill: select must be 1D, got shape {select.shape}")
+            select = check_select(meta, select, "DiskTier.spill")
             if len(select) == 0:
                 return False
-            if select[0] < 0 or select[-1] >= len(meta) or np.any(np.diff(select) <= 0):
-                raise ValueError(
-                    f"DiskTier.spill: select must be increasing positions < {len(meta)}"
-                )
         n = len(meta) if select is None else len(select)
         nbytes = meta.nbytes if select is None else int(meta.sizes[select].sum())
         with self._lock:
@@ -219,7 +179,7 @@ class DiskTier:
             ):
                 self._counters.skipped += n
                 return False
-            self._queue.append(Job(meta, payload, select, nbytes))
+            self._queue.append(Job(meta, payload, select, nbytes, tag))
             self._pending += nbytes
             self._wake.notify()
         return True
@@ -241,13 +201,17 @@ class DiskTier:
                     ):
                         jobs.append(self._queue.popleft())
                         group += jobs[-1].nbytes
+                landed: set[int] = set()
                 try:
-                    self._write_group(jobs)
+                    self._write_group(jobs, landed)
                 except Exception:  # a bug: keep the writer alive (the blocks are not on disk)
                     logger.exception("kvray disk tier: writer failed on %d segment(s)", len(jobs))
                     with self._lock:
                         self._counters.write_errors += 1
                 finally:
+                    # The owner drops what did not land before the queue has room again, so
+                    # its copies of queued segments stay within max_pending_bytes.
+                    self._notify_dropped([j.tag for j in jobs if id(j) not in landed])
                     with self._lock:
                         self._pending -= group
         finally:
@@ -256,8 +220,9 @@ class DiskTier:
                 if self._release_on_exit:
                     self._slot.release()
 
-    def _write_group(self, jobs: list[Job]) -> None:
-        """Build the files of a group of queued segments, then write them in chunks that fit."""
+    def _write_group(self, jobs: list[Job], landed: set[int]) -> None:
+        """Build the files of a group of queued segments, then write them in chunks that fit;
+        adds the ``id`` of every job whose file landed to ``landed``."""
         ready: list[SegmentFile] = []
         for job in jobs:
             try:
@@ -272,9 +237,9 @@ class DiskTier:
             with self._lock:
                 self._counters.skipped += too_big
         for chunk in chunks(ready, self.capacity):
-            self._write_chunk(chunk)
+            self._write_chunk(chunk, landed)
 
-    def _write_chunk(self, chunk: list[SegmentFile]) -> None:
+    def _write_chunk(self, chunk: list[SegmentFile], landed: set[int]) -> None:
         """Evict room for the chunk, write it (:func:`write_files`), register what landed."""
         size = sum(f.size for f in chunk)
         with self._lock:
@@ -283,17 +248,17 @@ class DiskTier:
                 f.seg_id = self._next_id
                 self._next_id += 1
             gone = self._evict_for(size, len(chunk))
-            self._reserved += size
+            self._files.reserved += size
         for seg in gone:
             unlink(seg.path)
         self._notify_evicted(gone)
         done, failed = write_files(self._slot, chunk)
         segs = [
-            DiskSegment(f.seg_id, self._slot.path(f.seg_id), f.meta, f.size, f.block_nbytes)
+            DiskSegment(f.seg_id, self._slot.path(f.seg_id), f.meta, f.size, f.block_nbytes, f.tag)
             for f in done
         ]
         with self._lock:
-            self._reserved -= size
+            self._files.reserved -= size
             purged = generation != self._generation
             self._counters.skipped += sum(len(f.meta) for f, _ in failed)
             if not purged:  # after a purge, a failure is its deleting our temporary file
@@ -303,9 +268,7 @@ class DiskTier:
                 if purged:
                     self._counters.skipped += len(seg.meta)
                     continue
-                self._files[seg.id] = seg
-                self._used += seg.file_bytes
-                self._blocks += len(seg.meta)
+                self._files.add(seg)
                 self._counters.spilled += len(seg.meta)
                 self._counters.spilled_bytes += seg.meta.nbytes
         if failed and not purged and (errors <= 3 or errors % 100 < len(failed)):
@@ -314,6 +277,7 @@ class DiskTier:
             for seg in segs:
                 unlink(seg.path)
             return
+        landed.update(f.job_id for f in done)
         callback = self.on_spilled
         for seg in segs:
             if callback is not None:
@@ -323,19 +287,17 @@ class DiskTier:
                     logger.exception("kvray disk tier: on_spilled failed")
 
     def _evict_for(self, size: int, files: int) -> list[DiskSegment]:
-        """Drop LRU files from the index until ``size`` more bytes in ``files`` more files fit
-        (under the lock; the caller deletes them and tells the owner)."""
-        gone: list[DiskSegment] = []
-        while self._files and (
-            self._used + self._reserved + size > self.capacity
-            or len(self._files) + files > self.max_files
-        ):
-            _, seg = self._files.popitem(last=False)
-            self._used -= seg.file_bytes
-            self._blocks -= len(seg.meta)
-            self._counters.evictions += len(seg.meta)
-            gone.append(seg)
+        gone = self._files.evict_for(size, files)
+        self._counters.evictions += sum(len(seg.meta) for seg in gone)
         return gone
+
+    def _notify_dropped(self, tags: list[int]) -> None:
+        callback = self.on_dropped
+        if tags and callback is not None:
+            try:
+                callback(tags)
+            except Exception:
+                logger.exception("kvray disk tier: on_dropped failed")
 
     def _notify_evicted(self, gone: list[DiskSegment]) -> None:
         callback = self.on_evicted
@@ -372,8 +334,7 @@ class DiskTier:
         A non-empty answer counts the file in ``disk_corrupt``; the caller drops those blocks
         (or the whole file with :meth:`remove`).
         """
-        sums = seg.meta.checksums.tolist()
-        bad = [i for i, s in enumerate(sums) if block_checksum(payload[i]) != s]
+        bad = bad_blocks(seg.meta, payload)
         if bad:
             logger.warning("kvray disk tier: %d corrupt block(s) in %s", len(bad), seg.path)
             with self._lock:
@@ -383,16 +344,13 @@ class DiskTier:
     def touch(self, seg: DiskSegment) -> None:
         """Mark a file most recently used (in memory; a restart orders files by write time)."""
         with self._lock:
-            if seg.id in self._files:
-                self._files.move_to_end(seg.id)
+            self._files.touch(seg.id)
 
     def remove(self, seg: DiskSegment) -> bool:
         """Delete a file (e.g. found corrupt); no callback. False if it was not held."""
         with self._lock:
-            held = self._files.pop(seg.id, None)
+            held = self._files.pop(seg.id)
             if held is not None:
-                self._used -= held.file_bytes
-                self._blocks -= len(held.meta)
                 self._counters.removed += len(held.meta)
         unlink(seg.path)
         return held is not None
@@ -406,9 +364,7 @@ class DiskTier:
                 raise KVRayError("DiskTier.purge: the tier is closed (purge before close)")
             self._generation += 1
             self._drop_queue()
-            self._counters.removed += self._blocks
-            self._files.clear()
-            self._used = self._blocks = 0
+            self._counters.removed += self._files.clear()
             self._scanned = True
         deleted = self._slot.purge()
         logger.info("kvray disk tier: purged %d file(s) under %s", deleted, self.base)
@@ -446,20 +402,6 @@ class DiskTier:
         self._queue.clear()
 
     def stats(self) -> dict[str, int]:
+        """``disk_*`` figures, ``spilled`` and ``spilled_bytes`` (see :class:`Counters`)."""
         with self._lock:
-            c = self._counters
-            return {
-                "disk_blocks": self._blocks,
-                "disk_bytes": self._used,
-                "disk_capacity": self.capacity,
-                "disk_files": len(self._files),
-                "spilled": c.spilled,
-                "spilled_bytes": c.spilled_bytes,
-                "disk_scanned": c.scanned,
-                "disk_evictions": c.evictions,
-                "disk_removed": c.removed,
-                "disk_skipped": c.skipped,
-                "disk_corrupt": c.corrupt,
-                "disk_write_errors": c.write_errors,
-                "disk_pending_bytes": self._pending,
-            }
+            return self._counters.figures(self._files, self._pending)

@@ -1,4 +1,4 @@
-"""One segment as one Arrow IPC file: the on-disk format of the disk tier (:mod:`.disk`).
+"""One segment as one Arrow IPC file: the on-disk format of the disk tier (:mod:`.tier`).
 
 Layout: an Arrow IPC *file* (random-access format: header magic, schema, one record batch,
 footer, footer length, trailing magic ``ARROW1``) with one row per block::
@@ -9,7 +9,7 @@ footer, footer length, trailing magic ``ARROW1``) with one row per block::
 Schema metadata (all values UTF-8 strings): ``kvray.format`` = ``kvray-segment``,
 ``kvray.version`` (:data:`VERSION`), ``kvray.namespace``, ``kvray.fingerprint``,
 ``kvray.blocks`` (rows), ``kvray.block_nbytes`` (the row size when the payload was written as a
-2D array, else 0) and ``kvray.meta_xxh3`` (:func:`~kvray.actors.payload.meta_digest` of the
+2D array, else 0) and ``kvray.meta_xxh3`` (:func:`~kvray.disk.payload.meta_digest` of the
 metadata columns).
 
 The data column comes last, so its bytes are the tail of the record batch body: reading the
@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from kvray.actors.payload import Payload, meta_digest
 from kvray.actors.segment import SegmentMeta
+from kvray.disk.payload import Payload, meta_digest
 
 __all__ = [
     "FORMAT",

@@ -1,0 +1,265 @@
+"""The blocks of a pool: its segments, their RAM LRU and byte count, and the id table.
+
+Not thread-safe: the pool (:mod:`.pool`) and its disk side (:mod:`.tiering`) call it holding the
+pool's lock. Metadata is numpy throughout (about 110 bytes a block): a table from shard id
+(:func:`kvray.meta.ids.shard_ids`) to (segment, position), and per segment the full keys in one
+blob plus arrays of ids, shard numbers, sizes, checksums and read counts.
+
+A segment is in one of four states, and its blocks are in the table (visible to lookups) in
+every one of them:
+
+- in RAM: ``in_ram``, its object ``ref`` counted in ``used`` and in the LRU ``ram``;
+- on its way to disk: ``spill`` set, ``ref`` still served, counted by the disk side (at most
+  its ``max_pending_bytes``), not in ``used``;
+- on disk only: ``ref`` None, ``disk`` set;
+- in RAM with a copy on disk (promoted): ``in_ram`` and ``disk``; RAM evicting it only lets go
+  of its object.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from ray import ObjectRef
+
+from kvray.actors.segment import SegmentMeta
+from kvray.disk import DiskSegment
+from kvray.meta.ids import shard_ids
+from kvray.meta.idtable import IdTable
+
+__all__ = ["Counters", "PoolState", "Removed", "Segment"]
+
+
+@dataclass(eq=False)
+class Segment:
+    ref: ObjectRef | None  # the pool's object of the segment (None: on disk only)
+    meta: SegmentMeta
+    live: np.ndarray  # bool per block: still held (in the table)
+    live_count: int
+    hits: np.ndarray  # uint32 per block: times read (disk admission)
+    leases: int = 0
+    in_ram: bool = False
+    disk: DiskSegment | None = None
+    spill: np.ndarray | None = None  # positions on their way to disk
+    spill_bytes: int = 0
+
+
+@dataclass
+class Counters:
+    """A pool's counters (blocks, unless named bytes)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0  # left RAM (to disk or gone)
+    refused: int = 0
+    lost: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    collisions: int = 0
+    stored_bytes: int = 0
+    served_bytes: int = 0
+    puts: int = 0
+    leases: int = 0
+    promoted: int = 0  # read back from disk into RAM
+    promoted_bytes: int = 0
+    promote_failed: int = 0  # asked for on disk, not promoted (no room in RAM)
+    not_admitted: int = 0  # left RAM and not spilled: read fewer than disk_admit_min_hits
+    spill_refused: int = 0  # left RAM and not spilled: the way to disk was full
+    disk_lost: int = 0  # dropped from disk: corrupt, unreadable or foreign
+    disk_gone: int = 0  # dropped with a file the tier evicted
+
+
+@dataclass
+class Removed:
+    """Blocks dropped under the lock, to publish as removed."""
+
+    ids: list[np.ndarray] = field(default_factory=list)
+    shards: list[np.ndarray] = field(default_factory=list)
+
+
+#: ``(seg_id, segment, removed) -> kept``: the disk side's say on a segment RAM evicts.
+EvictHook = Callable[[int, Segment, Removed], bool]
+
+
+class PoolState:
+    """Segments, RAM LRU and the id table of one pool (the caller holds the pool's lock)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.table = IdTable({"seg": np.uint32, "pos": np.uint32})
+        self.segments: dict[int, Segment] = {}
+        self.ram: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.used = 0  # bytes of the segments in RAM
+        self.reserved = 0  # bytes promised to copies in flight (puts, promotions)
+        self.counters = Counters()
+        self.on_evict: EvictHook | None = None
+        self._ids = itertools.count(1)
+
+    def free(self) -> int:
+        return self.capacity - self.used - self.reserved
+
+    # ------------------------------------------------------------------ adding
+    def new_blocks(self, meta: SegmentMeta, pids: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """Indices of the blocks to keep (in order), duplicates, id collisions."""
+        _, first = np.unique(pids, return_index=True)
+        first.sort()
+        duplicate = len(meta) - int(first.size)
+        slots = self.table.find(pids[first])
+        held = slots >= 0
+        collided = 0
+        if held.any():
+            cols = self.table.cols
+            for i, slot in zip(first[held].tolist(), slots[held].tolist(), strict=True):
+                seg = self.segments[int(cols["seg"][slot])]
+                if seg.meta.key(int(cols["pos"][slot])) == meta.key(i):
+                    duplicate += 1
+                else:
+                    collided += 1  # another key with the same id: keep the first
+        return first[~held], duplicate, collided
+
+    def add(
+        self, meta: SegmentMeta, pids: np.ndarray, ref: ObjectRef | None, disk: DiskSegment | None
+    ) -> tuple[int, np.ndarray]:
+        """Register a segment (in RAM when ``ref``, else on disk only); returns its id and the
+        positions stored (0 and none when every block is held already)."""
+        live = self.table.find(pids) < 0
+        pos = np.flatnonzero(live)
+        if not pos.size:
+            return 0, pos
+        seg_id = next(self._ids)
+        self.table.upsert(pids[pos], seg=seg_id, pos=pos.astype(np.uint32))
+        hits = np.zeros(len(meta), dtype=np.uint32)
+        seg = Segment(ref, meta, live, int(pos.size), hits, disk=disk)
+        self.segments[seg_id] = seg
+        if ref is not None:
+            self.enter_ram(seg_id, seg, ref)
+        return seg_id, pos
+
+    def enter_ram(self, seg_id: int, seg: Segment, ref: ObjectRef) -> None:
+        seg.ref, seg.in_ram = ref, True
+        self.ram[seg_id] = None
+        self.used += seg.meta.nbytes
+
+    # ------------------------------------------------------------------ finding
+    def locate(self, keys: list[bytes], pids: np.ndarray) -> list[tuple[int, int, int]]:
+        """``(i, seg_id, pos)`` of every key held (full keys compared; a collision is
+        counted and reads as not found)."""
+        slots = self.table.find(pids)
+        cols = self.table.cols
+        out = []
+        for i in np.flatnonzero(slots >= 0).tolist():
+            seg_id = int(cols["seg"][slots[i]])
+            pos = int(cols["pos"][slots[i]])
+            if self.segments[seg_id].meta.key(pos) != keys[i]:
+                self.counters.collisions += 1
+                continue
+            out.append((i, seg_id, pos))
+        return out
+
+    def segments_of(self, pids: np.ndarray) -> list[int]:
+        """Ids of the segments holding these block ids (no key check)."""
+        slots = self.table.find(pids)
+        return np.unique(self.table.cols["seg"][slots[slots >= 0]]).tolist()
+
+    # ------------------------------------------------------------------ dropping
+    def forget(self, seg_id: int, seg: Segment, pos: np.ndarray, removed: Removed) -> int:
+        """Drop blocks ``pos`` of a segment from the table; queue their removal."""
+        pos = pos[seg.live[pos]]
+        if not pos.size:
+            return 0
+        meta = seg.meta
+        pids = shard_ids(meta.ids[pos], meta.shards[pos])
+        slots = self.table.find(pids)
+        mine = (slots >= 0) & (self.table.cols["seg"][slots] == seg_id)
+        self.table.delete_slots(slots[mine])
+        seg.live[pos] = False
+        seg.live_count -= int(pos.size)
+        removed.ids.append(meta.ids[pos[mine]])
+        removed.shards.append(meta.shards[pos[mine]])
+        return int(mine.sum())
+
+    def forget_all(self, seg_id: int, seg: Segment, removed: Removed) -> int:
+        return self.forget(seg_id, seg, np.flatnonzero(seg.live), removed)
+
+    def leave_ram(self, seg_id: int, seg: Segment) -> None:
+        if seg.in_ram:
+            del self.ram[seg_id]
+            self.used -= seg.meta.nbytes
+            seg.in_ram = False
+
+    def drop_if_unused(self, seg_id: int, seg: Segment) -> bool:
+        """Forget a segment with no live block and no lease (its object goes with it)."""
+        if seg.live_count or seg.leases or self.segments.get(seg_id) is not seg:
+            return False
+        self.leave_ram(seg_id, seg)
+        del self.segments[seg_id]
+        seg.ref = None
+        return True
+
+    def make_room(self, need: int, removed: Removed) -> int:
+        """Evict unleased segments from RAM, least recently used first, until ``need`` bytes
+        fit; returns the blocks that left RAM. ``on_evict`` may keep a segment's blocks (on
+        their way to disk, or on disk); otherwise they are dropped."""
+        if need <= self.free():
+            return 0
+        moved = 0
+        for seg_id in list(self.ram):
+            seg = self.segments[seg_id]
+            if seg.leases:
+                continue
+            self.leave_ram(seg_id, seg)
+            moved += seg.live_count
+            if self.on_evict is None or not self.on_evict(seg_id, seg, removed):
+                self.forget_all(seg_id, seg, removed)
+                self.drop_if_unused(seg_id, seg)
+            if need <= self.free():
+                break
+        self.counters.evictions += moved
+        return moved
+
+    def unlease(self, seg_ids: list[int]) -> None:
+        for seg_id in seg_ids:
+            seg = self.segments.get(seg_id)
+            if seg is not None:
+                seg.leases -= 1
+                self.drop_if_unused(seg_id, seg)
+
+    # ------------------------------------------------------------------ figures
+    def held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, shards, nshards) of every live block, whatever its tier."""
+        parts = []
+        for seg in self.segments.values():
+            if seg.live_count:
+                pos = np.flatnonzero(seg.live)
+                m = seg.meta
+                parts.append((m.ids[pos], m.shards[pos], m.nshards[pos]))
+        if not parts:
+            return _EMPTY, _EMPTY.astype(np.uint16), _EMPTY.astype(np.uint16)
+        return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))  # type: ignore[return-value]
+
+    def figures(self) -> dict[str, int]:
+        """Blocks by tier and metadata bytes (iterates the segments: for stats only)."""
+        ram = spilling = disk_only = 0
+        meta_bytes = self.table.nbytes
+        for seg in self.segments.values():
+            meta_bytes += seg.meta.meta_nbytes + seg.hits.nbytes + seg.live.nbytes
+            if seg.in_ram:
+                ram += seg.live_count
+            elif seg.spill is not None:
+                spilling += seg.live_count
+            elif seg.ref is None:
+                disk_only += seg.live_count
+        return {
+            "blocks": ram,
+            "present_blocks": len(self.table),
+            "spilling_blocks": spilling,
+            "disk_only_blocks": disk_only,
+            "meta_bytes": int(meta_bytes),
+        }
+
+
+_EMPTY = np.zeros(0, dtype=np.uint64)
