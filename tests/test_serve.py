@@ -13,6 +13,7 @@ blocks on a replica's node explicitly, from a task pinned there.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import time
@@ -422,13 +423,20 @@ def test_backend_is_registered_and_fills_in_the_connector(served: Served) -> Non
     assert infos[0].block_size == BLOCK_SIZE and infos[0].hash_algo == "sha256"
 
 
-def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
+def test_backend_setup_completes_a_user_config(
+    ray_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvray.actors.join import NODE_ENV
     from kvray.config import ConfigError
     from kvray.serving.app import build_llm_config
     from kvray.serving.backend import KVRayConnectorBackend
 
+    # setup() names this node for the engine processes it will start; the pytest process must
+    # not keep it, or every raylet a later test adds inherits it and writes to this node's pool.
+    monkeypatch.delenv(NODE_ENV, raising=False)
     cfg = build_llm_config("/models/m", namespace="ns1", router="pow2")
     KVRayConnectorBackend(cfg).setup()
+    assert os.environ[NODE_ENV] == ray.get_runtime_context().get_node_id()
     ktc = cfg.engine_kwargs["kv_transfer_config"]
     assert ktc["kv_connector_module_path"] == "kvray.connector"
     assert ktc["kv_role"] == "kv_both" and ktc["kv_load_failure_policy"] == "recompute"
