@@ -423,9 +423,7 @@ def test_backend_is_registered_and_fills_in_the_connector(served: Served) -> Non
     assert infos[0].block_size == BLOCK_SIZE and infos[0].hash_algo == "sha256"
 
 
-def test_backend_setup_completes_a_user_config(
-    ray_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
     from kvray.actors.join import NODE_ENV
     from kvray.config import ConfigError
     from kvray.serving.app import build_llm_config
@@ -433,20 +431,25 @@ def test_backend_setup_completes_a_user_config(
 
     # setup() names this node for the engine processes it will start; the pytest process must
     # not keep it, or every raylet a later test adds inherits it and writes to this node's pool.
-    monkeypatch.delenv(NODE_ENV, raising=False)
-    cfg = build_llm_config("/models/m", namespace="ns1", router="pow2")
-    KVRayConnectorBackend(cfg).setup()
-    assert os.environ[NODE_ENV] == ray.get_runtime_context().get_node_id()
-    ktc = cfg.engine_kwargs["kv_transfer_config"]
-    assert ktc["kv_connector_module_path"] == "kvray.connector"
-    assert ktc["kv_role"] == "kv_both" and ktc["kv_load_failure_policy"] == "recompute"
-    extra = ktc["kv_connector_extra_config"]
-    assert extra["namespace"] == "ns1"
-    assert extra["address"] == ray.get_runtime_context().gcs_address
-    bad = build_llm_config("/models/m", router="pow2")
-    bad.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]["capacty"] = "1GiB"
-    with pytest.raises(ConfigError, match="capacty"):
-        KVRayConnectorBackend(bad).setup()
+    assert NODE_ENV not in os.environ
+    try:
+        cfg = build_llm_config("/models/m", namespace="ns1", router="pow2")
+        KVRayConnectorBackend(cfg).setup()
+        assert os.environ[NODE_ENV] == ray.get_runtime_context().get_node_id()
+        ktc = cfg.engine_kwargs["kv_transfer_config"]
+        assert ktc["kv_connector_module_path"] == "kvray.connector"
+        assert ktc["kv_role"] == "kv_both" and ktc["kv_load_failure_policy"] == "recompute"
+        extra = ktc["kv_connector_extra_config"]
+        assert extra["namespace"] == "ns1"
+        assert extra["address"] == ray.get_runtime_context().gcs_address
+        bad = build_llm_config("/models/m", router="pow2")
+        bad.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]["capacty"] = "1GiB"
+        os.environ.pop(NODE_ENV)
+        with pytest.raises(ConfigError, match="capacty"):
+            KVRayConnectorBackend(bad).setup()
+        assert NODE_ENV not in os.environ  # a refused config changes nothing
+    finally:
+        os.environ.pop(NODE_ENV, None)
 
 
 def test_cli_serve_refuses_bad_arguments_in_one_line(ray_cluster: Cluster) -> None:

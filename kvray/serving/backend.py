@@ -54,10 +54,11 @@ class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
         extra.setdefault("namespace", "default")
         if ray.is_initialized():
             extra.setdefault("address", ray.get_runtime_context().gcs_address)
+        config = KVRayConfig.from_dict(extra)  # fail here, with kvray's message
+        if ray.is_initialized():
             # vLLM's engine processes inherit it: they write to this replica's node's pool
             # even where Ray attaches them to another raylet of the host.
             os.environ.setdefault(NODE_ENV, ray.get_runtime_context().get_node_id())
-        config = KVRayConfig.from_dict(extra)  # fail here, with kvray's message
         logger.info(
             "kvray backend: replica joins namespace %r at %s", config.namespace, config.address
         )
