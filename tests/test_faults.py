@@ -410,12 +410,6 @@ def test_dropped_blocks_free_their_bytes_with_their_segment(kvray_ns: str) -> No
     store.close()
 
 
-def test_readme_states_the_copy_rule() -> None:
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        readme = f.read()
-    assert "`get` returns copies" in readme
-
-
 # ====================================================================== item 12: pool leases
 
 
