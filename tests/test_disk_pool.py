@@ -98,7 +98,12 @@ class Deployment:
         leased segments faster) and what the promotions evict reaches the disk."""
         want = dict(zip(self.keys, self.blocks, strict=True))
         for a in range(0, len(keys), 8):
-            got = store.get(keys[a : a + 8])
+            try:
+                got = store.get(keys[a : a + 8])
+            except kvray.BlockLostError as e:  # say what the pool and the view saw
+                s = ray.get(pool.stats.remote())
+                view = (len(store.feed.view), store.lookup(keys[a : a + 8]))
+                raise AssertionError(f"{e} (view {view}; pool {s})") from e
             for k, g in zip(keys[a : a + 8], got, strict=True):
                 assert np.array_equal(g, want[k]), k
             store.io.flush_releases()

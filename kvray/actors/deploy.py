@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: A pool whose node is gone is forgotten (its slot freed) after this long.
 FORGET_DEAD_AFTER_S = 60.0
+#: Consecutive pings a live pool may miss (timeouts: busy, not dead) before its blocks are
+#: purged. A pool Ray reports dead, or on a node that left, is purged at the first tick.
+MISSED_PINGS_BEFORE_DEAD = 3
 
 
 def default_index_shards(num_nodes: int) -> int:
@@ -61,6 +64,7 @@ class _PoolRecord:
     incarnation: str = ""
     versions: tuple[int, ...] = ()
     dead_since: float | None = None
+    missed: int = 0  # consecutive ping timeouts
 
 
 class Reconciler:
@@ -203,10 +207,15 @@ class Reconciler:
                     r.handle.ping.remote(), wait
                 )
             except Exception as e:
-                if r.alive:
-                    logger.warning("kvray reconciler: pool %d not answering (%s)", r.slot, e)
-                r.alive = False
+                slow = isinstance(e, asyncio.TimeoutError | ray.exceptions.GetTimeoutError)
+                r.missed = r.missed + 1 if slow else MISSED_PINGS_BEFORE_DEAD
+                if r.alive and r.missed >= MISSED_PINGS_BEFORE_DEAD:
+                    logger.warning(
+                        "kvray reconciler: pool %d not answering (%s)", r.slot, type(e).__name__
+                    )
+                    r.alive = False
                 return
+            r.missed = 0
             if slot != r.slot:  # an existing pool kept the slot it was created with
                 r.slot = slot
                 r.info = NodeInfo(slot, r.info.node_id, r.info.pool_name, r.info.capacity)

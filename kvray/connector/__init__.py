@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+_T = TypeVar("_T")
 
 __all__ = [
     "KVRayConnector",
@@ -209,26 +211,25 @@ class KVRayConnector(KVConnectorBase_V1):
 
     @property
     def scheduler(self) -> KVRayConnectorScheduler:
-        assert self.connector_scheduler is not None
+        if self.connector_scheduler is None:
+            raise RuntimeError("KVRayConnector: scheduler-side call on a worker-side connector")
         return self.connector_scheduler
 
     @property
     def worker(self) -> KVRayConnectorWorker:
-        assert self.connector_worker is not None
+        if self.connector_worker is None:
+            raise RuntimeError("KVRayConnector: worker-side call on a scheduler-side connector")
         return self.connector_worker
 
     def _meta(self) -> KVRayConnectorMetadata:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVRayConnectorMetadata)
-        return meta
+        return _ours(self._get_connector_metadata(), KVRayConnectorMetadata)
 
     # ------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, KVRayConnectorMetadata)
-        self.worker.handle_preemptions(kv_connector_metadata)
+        self.worker.handle_preemptions(_ours(kv_connector_metadata, KVRayConnectorMetadata))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())
@@ -303,3 +304,11 @@ class KVRayConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.scheduler.take_events()
+
+
+def _ours(obj: object, cls: type[_T]) -> _T:
+    """``obj`` as kvray's own metadata type, or a clear error (not an ``assert``: kept
+    under ``python -O``)."""
+    if not isinstance(obj, cls):
+        raise TypeError(f"KVRayConnector: expected {cls.__name__}, got {type(obj).__name__}")
+    return obj

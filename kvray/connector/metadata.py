@@ -128,7 +128,8 @@ class KVRayWorkerMetadata(KVConnectorWorkerMetadata):
         return not self.completed_jobs and self.counters == TransferCounters()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVRayWorkerMetadata:
-        assert isinstance(other, KVRayWorkerMetadata)
+        if not isinstance(other, KVRayWorkerMetadata):
+            raise TypeError(f"KVRayWorkerMetadata: cannot aggregate {type(other).__name__}")
         completed = dict(self.completed_jobs)
         for job_id, n in other.completed_jobs.items():
             completed[job_id] = completed.get(job_id, 0) + n
