@@ -98,6 +98,9 @@ class Deployment:
         leased segments faster) and what the promotions evict reaches the disk."""
         want = dict(zip(self.keys, self.blocks, strict=True))
         for a in range(0, len(keys), 8):
+            # The index converges within ticks after a restart (the view is eventually
+            # consistent); every block must show up and read back with its bytes.
+            _wait_visible(store, keys[a : a + 8], 30)
             try:
                 got = store.get(keys[a : a + 8])
             except kvray.BlockLostError as e:  # say what the pool and the view saw

@@ -47,6 +47,8 @@ MAX_REPLY_ENTRIES = 1_000_000
 #: Batches of one pool held while an earlier one is late, and how long one may be late.
 MAX_EARLY = 256
 MAX_GAP_S = 2.0
+#: How long after a resync a "not answering" about the pool's previous incarnation is ignored.
+STALE_VERDICT_S = 10.0
 
 
 @dataclass
@@ -61,6 +63,8 @@ class _Pool:
     #: Batches that arrived ahead of their turn, by version, and since when one has waited.
     early: dict[int, tuple[str, ShardBatch]] = field(default_factory=dict)
     early_since: float = 0.0
+    #: When the last resync read this pool's inventory (monotonic seconds).
+    resynced_at: float = 0.0
 
 
 class IndexShard:
@@ -289,6 +293,7 @@ class IndexShard:
         h.seq, h.reuse_floor = self._seq + 1, self._log_floor
         self._record(h.replace(slot, inv.ids, inv.shards, inv.nshards))
         pool.incarnation, pool.version, pool.lag_ticks = inv.incarnation, inv.version, 0
+        pool.resynced_at = time.monotonic()
         self._catch_up(pool)  # batches sent while the inventory was on its way
         if not pool.healthy:
             pool.healthy = True
@@ -322,6 +327,16 @@ class IndexShard:
             self._nodes_version += 1
             self._notify()
 
+    @staticmethod
+    def _stale_verdict(pool: _Pool, st: PoolStatus) -> bool:
+        """ "Not answering" about an older incarnation than the one this shard just rebuilt
+        from: the reconciler's ping went to the restarting actor. The next tick judges the new
+        one; a verdict that persists past ``STALE_VERDICT_S`` purges."""
+        return (
+            st.incarnation != pool.incarnation
+            and time.monotonic() - pool.resynced_at < STALE_VERDICT_S
+        )
+
     # ------------------------------------------------------------------ pools (reconciler)
     async def set_pools(self, statuses: dict[int, PoolStatus]) -> None:
         """The reconciler's view of every pool, once per tick."""
@@ -334,7 +349,7 @@ class IndexShard:
                     self._purge(pool, "pool replaced")
                 pool = self._pools[slot] = _Pool(st.info)
             if not st.alive:
-                if pool.healthy:
+                if pool.healthy and not self._stale_verdict(pool, st):
                     self._purge(pool, "pool not answering")
                 continue
             if pool.resyncing:
