@@ -292,7 +292,18 @@ def serve(
     num_cpus: Annotated[float, typer.Option(help="CPUs per replica")] = 1,
     num_gpus: Annotated[float, typer.Option(help="GPUs per replica (0 on CPU)")] = 0,
     router: Annotated[
-        str, typer.Option(help="request router: kvray, prefix (Ray's) or pow2 (Serve's default)")
+        str | None,
+        typer.Option(
+            help="request router: kvray, prefix (Ray's) or pow2 (Serve's default); "
+            "default kvray, or prefix with --kv-cache none"
+        ),
+    ] = None,
+    kv_cache: Annotated[
+        str,
+        typer.Option(
+            help="kvray (kvray's connector on every replica) or none: the same app without "
+            "kvray, to measure what kvray gives"
+        ),
     ] = "kvray",
     engine_arg: Annotated[
         list[str] | None,
@@ -317,6 +328,7 @@ def serve(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         router=router,
+        kv_cache=kv_cache,
     )
 
 
@@ -332,7 +344,8 @@ def _serve_until_interrupted(
     from kvray.serve import build_app
 
     app_obj = build_app(model, namespace=cfg.namespace, **app_args)  # validates first
-    kvray.start(cfg)
+    if app_args.get("kv_cache", "kvray") == "kvray":
+        kvray.start(cfg)
     serve.start(http_options={"host": host, "port": port})
     name = f"kvray-{cfg.namespace}"
     with console.status(f"starting {app_args['replicas']} vLLM replica(s) on Ray Serve LLM"):

@@ -1,36 +1,40 @@
-"""Benchmark: request routers for vLLM + kvray on Ray Serve LLM, on a multi-turn chat workload.
+"""Benchmark: a Ray Serve LLM deployment with kvray against the same deployment without it,
+driven by Ray's own multi-turn benchmark (``python -m ray.llm._internal.serve.benchmark``).
 
-Several conversations run at once; each turn resends the whole conversation (a growing shared
-prefix), and there are more conversations than one replica's KV cache holds, so prefixes get
-evicted from vLLM's own cache and come back from kvray or are recomputed. The same workload
-(fresh conversations per run) goes to 2 replicas under each router: kvray's ``KVRayRouter``,
-Ray's ``PrefixCacheAffinityRouter`` and Serve's default power of two choices. Reported per
-router, medians of repeats: prefix hit rate (cached / prompt tokens), TTFT p50/p99 (time to
-the first streamed content), throughput, requests per replica.
+Each configuration is one Ray Serve LLM app (2 vLLM-CPU replicas of a tiny float32 Llama,
+each engine's KV cache smaller than the conversations in flight, so prefixes are evicted from
+vLLM's own cache): ``off`` is the app without kvray (``kv_cache="none"``, Ray's
+``PrefixCacheAffinityRouter``, what ``kvray serve --kv-cache none`` deploys), ``kvray`` the app
+with kvray and kvray's router, ``kvray-prefix`` with kvray and Ray's prefix router. For each
+repeat, configurations take turns (order alternating), same seed within a repeat; each runs
+every workload: Ray's multi-turn benchmark at ``--hit-rate`` (sessions x turns, growing inputs,
+shared system prompt) and the same with no reuse (hit rate 0). Measured per run: TTFT p50/p99,
+ITL mean/p99, output tok/s (from the load generator's own results), per-turn TTFT and ITL, CPU
+seconds per request by process role (GCS, raylet, agents, Serve proxy, kvray's actors,
+EngineCore, replicas; see ``serve_probe.py``) and the GCS's RPCs per request by method.
 
-It starts its own local Ray cluster: a head and one more simulated node, one replica each.
-On one host vLLM's EngineCore and worker processes join Ray attached to the head node, so both
-replicas' saves land in the head node's pool (there, and only there, a load is node-local).
+It starts its own simulated 2-node cluster (``ray.cluster_utils.Cluster``), one replica a node.
 
-    python scripts/bench_serve.py [--quick]
+    python scripts/bench_serve.py [--quick] [--repeats N] [--configs off,kvray]
 
-Last line: ``ratio kvray_router_ttft_p50_over_prefix_router=<x> hit_rate=<y>`` (x < 1: kvray's
-router is faster; y: kvray router's hit rate).
+Last line: ``ratio kvray_ttft_p50_over_off=<x> kvray_itl_mean_over_off=<y>
+kvray_cpu_s_per_request_over_off=<z> gcs_cpu_s_per_request=<w>`` (medians over repeats of the
+main workload; w: the GCS's CPU seconds per request with kvray).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,180 +47,161 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p
 )
 
+from ray_probe import cpu_by_process, cpu_delta, gcs_rpc_snapshot, metrics_urls  # noqa: E402
+
 MODEL = "bench"
 APP = "bench"
-ROUTERS = ("kvray", "prefix", "pow2")
-WORDS = [
-    "def",
-    "class",
-    "return",
-    "self",
-    "import",
-    "from",
-    "yield",
-    "async",
-    "await",
-    "lambda",
-    "value",
-    "index",
-    "cache",
-    "block",
-    "token",
-    "prefix",
-    "node",
-    "replica",
-    "router",
-    "engine",
-    "tensor",
-    "layer",
-    "batch",
-    "stream",
-    "request",
-    "key",
-    "pool",
-]
+#: config -> (kv_cache, router)
+CONFIGS: dict[str, tuple[str, str]] = {
+    "off": ("none", "prefix"),
+    "kvray": ("kvray", "kvray"),
+    "kvray-prefix": ("kvray", "prefix"),
+    "off-pow2": ("none", "pow2"),
+}
 
 
-def _text(rng: random.Random, words: int) -> str:
-    lines, line = [], []
-    for _ in range(words):
-        line.append(rng.choice(WORDS) + (str(rng.randrange(100)) if rng.random() < 0.3 else ""))
-        if len(line) == 8:
-            lines.append(" ".join(line))
-            line = []
-    return "\n".join([*lines, " ".join(line)])
+def _load(
+    port: int, tokenizer: str, seed: int, hit_rate: float, a: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    """One run of Ray's multi-turn benchmark; its saved JSON result."""
+    cmd = [
+        sys.executable, "-m", "ray.llm._internal.serve.benchmark",
+        "-u", f"http://127.0.0.1:{port}", "-m", MODEL, "--tokenizer", tokenizer,
+        "--isl", str(a.isl), "--hit-rate", str(hit_rate), "--num-turns", str(a.turns),
+        "--osl", str(a.osl), "--num-sessions", str(a.sessions),
+        "--concurrency", str(a.concurrency), "--seed", str(seed),
+        "--warmup-jitter-max", "0", "--save-result", str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log, _ = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"load generator failed ({proc.returncode}):\n{log[-3000:]}")
+    return {"result": json.loads(out.read_text()), "pid": proc.pid}
 
 
-def _conversation(
-    client: Any, seed: int, turns: int, system_words: int, turn_words: int, max_tokens: int
-) -> list[dict[str, float]]:
-    rng = random.Random(seed)
-    messages = [{"role": "system", "content": _text(rng, system_words)}]
-    out = []
-    for _ in range(turns):
-        messages.append({"role": "user", "content": _text(rng, turn_words)})
-        t0 = time.perf_counter()
-        ttft = None
-        reply, usage = [], None
-        stream = client.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            if chunk.choices and chunk.choices[0].delta.content:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                reply.append(chunk.choices[0].delta.content)
-        assert usage is not None and ttft is not None
-        details = usage.prompt_tokens_details
-        out.append(
-            {
-                "ttft": ttft,
-                "prompt": usage.prompt_tokens,
-                "cached": (details.cached_tokens or 0) if details else 0,
-                "completion": usage.completion_tokens,
-            }
-        )
-        messages.append({"role": "assistant", "content": "".join(reply)})
-    return out
-
-
-def _requests_per_replica() -> Counter[str]:
-    """Serve's request counter of the LLM deployment, per replica, from every node."""
-    import ray
-
-    counts: Counter[str] = Counter()
-    for node in ray.nodes():
-        if not node.get("Alive") or not node.get("MetricsExportPort"):
-            continue
-        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-        try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if not line.startswith("ray_serve_deployment_request_counter_total{"):
-                continue
-            if f'deployment="LLMServer:{MODEL}"' not in line:
-                continue
-            labels = line[line.index("{") + 1 : line.index("}")]
-            tags = dict(kv.split("=", 1) for kv in labels.split('",') if "=" in kv)
-            counts[tags.get("replica", "?").strip('"')] += int(float(line.rsplit(" ", 1)[1]))
-    return counts
-
-
-def _run(client: Any, seed: int, a: argparse.Namespace) -> dict[str, Any]:
-    before = _requests_per_replica()
+def _run_one(
+    port: int,
+    tokenizer: str,
+    urls: list[str],
+    seed: int,
+    hit_rate: float,
+    a: argparse.Namespace,
+    work: Path,
+) -> dict[str, Any]:
+    gcs0 = gcs_rpc_snapshot(urls)
+    cpu0 = cpu_by_process()
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(a.conversations) as pool:
-        futures = [
-            pool.submit(
-                _conversation,
-                client,
-                seed * 1000 + c,
-                a.turns,
-                a.system_words,
-                a.turn_words,
-                a.max_tokens,
-            )
-            for c in range(a.conversations)
-        ]
-        rows = [r for f in futures for r in f.result(timeout=1800)]
+    loaded = _load(port, tokenizer, seed, hit_rate, a, work / f"r{seed}-{hit_rate}.json")
     wall = time.perf_counter() - t0
-    time.sleep(2.5)  # one metrics report interval and a bit
-    per_replica = _requests_per_replica() - before
-    ttfts = sorted(r["ttft"] for r in rows)
+    cpu1 = cpu_by_process(exclude={loaded["pid"]})
+    gcs1 = gcs_rpc_snapshot(urls)
+    res = loaded["result"]
+    stats = res["stats"]
+    n = res["benchmark"]["total_requests"]
+    cpu = cpu_delta(cpu0, cpu1)
+    rpcs = gcs1 - gcs0
     return {
-        "hit_rate": sum(r["cached"] for r in rows) / sum(r["prompt"] for r in rows),
-        "p50": statistics.median(ttfts),
-        "p99": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
-        "tok_s": sum(r["completion"] for r in rows) / wall,
-        "req_s": len(rows) / wall,
-        "per_replica": sorted(per_replica.values(), reverse=True),
+        "requests": n,
+        "wall_s": wall,
+        "ttft_p50": stats["p50_ttft_ms"],
+        "ttft_p99": stats["p99_ttft_ms"],
+        "itl_mean": stats["avg_itl_ms"],
+        "itl_p99": stats["p99_itl_ms"],
+        "tok_s": stats["throughput_tok_s"],
+        "per_turn": [(t["avg_ttft_ms"], t["avg_itl_ms"]) for t in res["per_turn"]],
+        "cpu": {k: v / n for k, v in cpu.items()},
+        "cpu_total": sum(cpu.values()) / n,
+        "gcs_rpcs": {k: v / n for k, v in rpcs.items() if v > 0},
     }
+
+
+def _med(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.Namespace) -> None:
+    print(
+        f"\nbench_serve: Ray's multi-turn benchmark, {a.sessions} sessions x {a.turns} turns, "
+        f"ISL {a.isl}, OSL {a.osl}, concurrency {a.concurrency}; 2 replicas on a simulated "
+        f"2-node cluster, KV cache {a.kv_tokens} tokens per replica; medians of {a.repeats}"
+    )
+    print(
+        f"{'config':<13} {'hit':>4} {'TTFT p50':>9} {'p99':>7} {'ITL mean':>9} {'p99':>6} "
+        f"{'tok/s':>6} {'CPU s/req':>9} {'GCS s/req':>9} {'GCS rpc/req':>11}"
+    )
+    for (cfg, hit), rows in results.items():
+        print(
+            f"{cfg:<13} {hit:>4.2f} {_med(rows, 'ttft_p50'):>7.0f}ms {_med(rows, 'ttft_p99'):>5.0f}"
+            f"ms {_med(rows, 'itl_mean'):>7.1f}ms {_med(rows, 'itl_p99'):>4.0f}ms "
+            f"{_med(rows, 'tok_s'):>6.1f} {_med(rows, 'cpu_total'):>9.3f} "
+            f"{statistics.median(r['cpu'].get('gcs', 0.0) for r in rows):>9.4f} "
+            f"{statistics.median(sum(r['gcs_rpcs'].values()) for r in rows):>11.1f}"
+        )
+    roles = sorted({k for rows in results.values() for r in rows for k in r["cpu"]})
+    print("\nCPU seconds per request by process (medians)")
+    print(f"{'role':<18}" + "".join(f"{f'{c}@{h:g}':>15}" for c, h in results))
+    for role in roles:
+        vals = [statistics.median(r["cpu"].get(role, 0.0) for r in rows)
+                for rows in results.values()]  # fmt: skip
+        print(f"{role:<18}" + "".join(f"{v:>15.4f}" for v in vals))
+    methods: Counter[str] = Counter()
+    for rows in results.values():
+        for r in rows:
+            methods.update(r["gcs_rpcs"])
+    print("\nGCS RPCs per request by method (medians; top 8)")
+    for m, _ in methods.most_common(8):
+        vals = [statistics.median(r["gcs_rpcs"].get(m, 0.0) for r in rows)
+                for rows in results.values()]  # fmt: skip
+        print(f"{m[-48:]:<48}" + "".join(f"{v:>10.2f}" for v in vals))
+    print("\nPer-turn mean TTFT / ITL (ms, medians)")
+    for (cfg, hit), rows in results.items():
+        turns = zip(*(r["per_turn"] for r in rows), strict=False)
+        cells = [
+            f"{statistics.median(t[0] for t in ts):.0f}/{statistics.median(t[1] for t in ts):.1f}"
+            for ts in turns
+        ]
+        print(f"{cfg:<13} {hit:>4.2f}  " + "  ".join(cells))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small model and workload, 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, fewer sessions")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--conversations", type=int, default=None)
-    ap.add_argument("--turns", type=int, default=None)
-    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--configs", default="off,kvray")
+    ap.add_argument("--hit-rate", type=float, default=0.85)
+    ap.add_argument("--no-reuse", default=True, action=argparse.BooleanOptionalAction,
+                    help="also run the workload with hit rate 0")  # fmt: skip
+    ap.add_argument("--sessions", type=int, default=None)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--isl", type=int, default=1500)
+    ap.add_argument("--osl", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=4)
     a = ap.parse_args()
-    quick = a.quick
-    a.repeats = a.repeats or (1 if quick else 3)
-    a.conversations = a.conversations or (4 if quick else 8)
-    a.turns = a.turns or (3 if quick else 4)
-    a.system_words = 150 if quick else 300
-    a.turn_words = 40 if quick else 80
-    a.max_tokens = 8 if quick else 16
-    routers = [r for r in a.routers.split(",") if r]
-    size = {} if quick else {"hidden": 512, "layers": 6, "heads": 8, "kv_heads": 4}
-    # KV per token: layers x kv_heads x head_dim x 2 (K, V) x 4 bytes (float32).
-    per_token = (2 * 2 if quick else 6 * 4) * 64 * 2 * 4
-    kv_tokens = 2048  # one or two conversations' worth: fewer than the conversations
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    a.sessions = a.sessions or (6 if a.quick else 12)
+    configs = [c for c in a.configs.split(",") if c]
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"unknown config {c!r}: choose from {sorted(CONFIGS)}")
+    hits = [a.hit_rate] + ([0.0] if a.no_reuse else [])
+    a.kv_tokens = 4096  # two or three sessions' worth per replica: fewer than are in flight
     engine_args = {
         "enforce_eager": True,
         "dtype": "float32",
         "block_size": 32,
-        "kv_cache_memory_bytes": (kv_tokens + 64) * per_token,
-        "max_model_len": kv_tokens,
+        "kv_cache_memory_bytes": (a.kv_tokens + 64) * 6 * 4 * 64 * 2 * 4,
+        "max_model_len": a.kv_tokens,
         "max_num_seqs": 8,
-        "max_num_batched_tokens": kv_tokens,
+        "max_num_batched_tokens": a.kv_tokens,
         "seed": 0,
         "enable_prompt_tokens_details": True,
     }
 
     import ray
-    from openai import OpenAI
     from ray import serve
     from ray.cluster_utils import Cluster
     from vllm_helpers import build_text_model
@@ -224,80 +209,69 @@ def main() -> None:
     import kvray
     from kvray.serve import build_app
 
-    work = tempfile.mkdtemp(prefix="kvray-bench-serve-")
-    model = build_text_model(Path(work) / "model", **size)
+    work = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
+    model = build_text_model(work / "model", hidden=512, layers=6, heads=8, kv_heads=4)
     node_args = {"num_cpus": 2, "object_store_memory": 512 << 20, "include_dashboard": False}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**node_args, "_system_config": {"metrics_report_interval_ms": 1000}},
-    )
+    system = {"metrics_report_interval_ms": 1000}
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "_system_config": system})
     cluster.add_node(**node_args)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
+    urls = metrics_urls()
     os.environ["RAY_ADDRESS"] = cluster.address
-    ns = "benchserve"
-    kvray.start(namespace=ns, capacity="256MiB")
     port = 18000 + random.randrange(1000)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
-    results: dict[str, list[dict[str, Any]]] = {}
+    results: dict[tuple[str, float], list[dict[str, Any]]] = {
+        (c, h): [] for c in configs for h in hits
+    }
     try:
-        for i, router in enumerate(routers):
-            app = build_app(
-                model,
-                namespace=ns,
-                replicas=2,
-                served_model_name=MODEL,
-                engine_args=engine_args,
-                router=router,
-                num_cpus=2,
-                ingress_options={"ray_actor_options": {"num_cpus": 0}},
-            )
-            t0 = time.perf_counter()
-            serve.run(app, name=APP, route_prefix="/")
-            print(f"# {router}: app up in {time.perf_counter() - t0:.0f} s", flush=True)
-            # Untimed: one short turn per conversation slot on unrelated text, so that first-
-            # request costs (the first app of the cluster pays more) are nobody's TTFT.
-            with ThreadPoolExecutor(a.conversations) as warm:
-                list(
-                    warm.map(
-                        lambda seed: _conversation(client, seed, 1, 20, 10, 2),
-                        [-1 - 1000 * i - c for c in range(a.conversations)],
+        for r in range(a.repeats):
+            order = configs if r % 2 == 0 else configs[::-1]
+            for cfg in order:
+                kv_cache, router = CONFIGS[cfg]
+                ns = f"bench{r}{cfg.replace('-', '')}"
+                if kv_cache == "kvray":
+                    kvray.start(namespace=ns, capacity="256MiB")
+                app = build_app(
+                    model, namespace=ns, replicas=2, served_model_name=MODEL,
+                    engine_args=engine_args, router=router, kv_cache=kv_cache, num_cpus=2,
+                    ingress_options={"ray_actor_options": {"num_cpus": 0}},
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                serve.run(app, name=APP, route_prefix="/")
+                print(f"# repeat {r} {cfg}: app up in {time.perf_counter() - t0:.0f} s", flush=True)
+                # Untimed: first-request costs are nobody's TTFT.
+                warm = {"sessions": 2, "turns": 1, "isl": 200, "concurrency": 2}
+                warm_args = argparse.Namespace(**{**vars(a), **warm})
+                _load(port, model, 10_000 + r, 0.0, warm_args, work / f"warm{r}{cfg}.json")
+                for hit in hits:
+                    row = _run_one(port, model, urls, 1 + r, hit, a, work)
+                    results[(cfg, hit)].append(row)
+                    print(
+                        f"#   hit {hit:g}: TTFT p50 {row['ttft_p50']:.0f} ms, ITL "
+                        f"{row['itl_mean']:.1f} ms, {row['tok_s']:.1f} tok/s, CPU "
+                        f"{row['cpu_total']:.3f} s/req (GCS {row['cpu'].get('gcs', 0):.4f})",
+                        flush=True,
                     )
-                )
-            results[router] = [_run(client, 100 * i + r + 1, a) for r in range(a.repeats)]
-            serve.delete(APP)
+                serve.delete(APP)
+                if kv_cache == "kvray":
+                    kvray.stop(ns)
     finally:
         serve.shutdown()
-        kvray.stop(ns)
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
-    def med(router: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[router])
-
-    print(
-        f"\nbench_serve ({'quick' if quick else 'full'}): {a.conversations} conversations x "
-        f"{a.turns} turns at once, 2 replicas, KV cache {kv_tokens} tokens per replica, "
-        f"medians of {a.repeats} run(s); shared 2-core machine"
-    )
-    print(
-        f"{'router':<8} {'hit rate':>9} {'TTFT p50':>10} {'TTFT p99':>10} "
-        f"{'tok/s':>7} {'req/s':>6}  requests per replica"
-    )
-    for router in results:
-        per = results[router][len(results[router]) // 2]["per_replica"]
+    _report(results, a)
+    if "off" in configs and "kvray" in configs:
+        on, off = results[("kvray", a.hit_rate)], results[("off", a.hit_rate)]
+        gcs = statistics.median(r["cpu"].get("gcs", 0.0) for r in on)
         print(
-            f"{router:<8} {med(router, 'hit_rate'):>9.1%} {1e3 * med(router, 'p50'):>8.0f}ms "
-            f"{1e3 * med(router, 'p99'):>8.0f}ms {med(router, 'tok_s'):>7.1f} "
-            f"{med(router, 'req_s'):>6.2f}  {per}"
-        )
-    if "kvray" in results and "prefix" in results:
-        ratio = med("kvray", "p50") / med("prefix", "p50")
-        print(
-            f"ratio kvray_router_ttft_p50_over_prefix_router={ratio:.3f} "
-            f"hit_rate={med('kvray', 'hit_rate'):.3f}"
+            f"ratio kvray_ttft_p50_over_off={_med(on, 'ttft_p50') / _med(off, 'ttft_p50'):.3f} "
+            f"kvray_itl_mean_over_off={_med(on, 'itl_mean') / _med(off, 'itl_mean'):.3f} "
+            f"kvray_cpu_s_per_request_over_off="
+            f"{_med(on, 'cpu_total') / _med(off, 'cpu_total'):.3f} "
+            f"gcs_cpu_s_per_request={gcs:.4f}"
         )
 
 

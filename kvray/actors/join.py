@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 import ray
@@ -48,7 +49,8 @@ def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> No
             ) from e
         _probe(resolved, connect_timeout_s)
     try:
-        ray.init(address=target, namespace=RAY_NAMESPACE, log_to_driver=False)
+        with _unseeded_random():
+            ray.init(address=target, namespace=RAY_NAMESPACE, log_to_driver=False)
     except (ConnectionError, ray.exceptions.AuthenticationError) as e:
         chain = _error_chain(e)
         if (
@@ -64,6 +66,27 @@ def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> No
         raise StoreUnavailableError(
             f"kvray: cannot join the Ray cluster at {target}: {_first_line(str(e))}"
         ) from e
+
+
+class _unseeded_random:
+    """Run ``ray.init`` with Python's ``random`` freshly seeded, then give the caller its state
+    back.
+
+    Ray draws each driver's GCS subscriber ids from the global ``random`` module
+    (``_GcsSubscriber._construct``: ``random.getrandbits``). vLLM seeds it with the engine's
+    seed before its processes join Ray through kvray, so every engine of a deployment (same
+    seed, 0 by default) got the *same* subscriber id for Ray's error channel: their long polls
+    evicted each other, ~5,000 ``GcsSubscriberPoll`` RPCs a second for as long as the engines
+    lived, a core of GCS and worker CPU (issue 17). vLLM's own seeded state is restored, so its
+    sampling stays reproducible.
+    """
+
+    def __enter__(self) -> None:
+        self._state = random.getstate()
+        random.seed(os.urandom(32))
+
+    def __exit__(self, *exc: object) -> None:
+        random.setstate(self._state)
 
 
 def _error_chain(e: BaseException) -> str:

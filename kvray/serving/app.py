@@ -20,6 +20,8 @@ __all__ = ["ROUTERS", "build_app", "build_llm_config"]
 
 Router = Literal["kvray", "prefix", "pow2"]
 ROUTERS: tuple[str, ...] = ("kvray", "prefix", "pow2")
+KVCache = Literal["kvray", "none"]
+KV_CACHES: tuple[str, ...] = ("kvray", "none")
 _RESERVED = ("model", "served_model_name", "kv_transfer_config")
 
 
@@ -31,7 +33,8 @@ def build_llm_config(
     served_model_name: str | None = None,
     engine_args: Mapping[str, Any] | None = None,
     kvray_config: Mapping[str, Any] | None = None,
-    router: Router = "kvray",
+    router: Router | None = None,
+    kv_cache: KVCache = "kvray",
     router_kwargs: Mapping[str, Any] | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
@@ -43,7 +46,10 @@ def build_llm_config(
     ``engine_args`` are vLLM's engine arguments (``max_model_len``, ``block_size``...).
     ``kvray_config``: extra kvray connector settings (``kv_connector_extra_config``).
     ``router``: ``kvray`` (:class:`KVRayRouter`), ``prefix`` (Ray's
-    ``PrefixCacheAffinityRouter``) or ``pow2`` (Serve's default power of two choices).
+    ``PrefixCacheAffinityRouter``) or ``pow2`` (Serve's default power of two choices); by
+    default ``kvray``, or ``prefix`` without kvray.
+    ``kv_cache``: ``kvray`` (kvray's connector on every replica) or ``none``: the same app
+    without kvray (no connector, no kvray actors needed), the baseline to measure kvray against.
     Each replica (its engine processes included) takes ``num_cpus`` CPUs and ``num_gpus`` GPUs,
     one placement-group bundle; replicas that take a whole node's CPUs land on distinct nodes.
     """
@@ -54,8 +60,14 @@ def build_llm_config(
         raise ConfigError("model", model, "expected a model path or name")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ConfigError("replicas", replicas, "expected an integer >= 1")
+    if kv_cache not in KV_CACHES:
+        raise ConfigError("kv_cache", kv_cache, f"choose one of {KV_CACHES}")
+    if router is None:
+        router = "kvray" if kv_cache == "kvray" else "prefix"
     if router not in ROUTERS:
         raise ConfigError("router", router, f"choose one of {ROUTERS}")
+    if router == "kvray" and kv_cache == "none":
+        raise ConfigError("router", router, "kvray's router needs kv_cache='kvray'")
     if num_cpus < 0 or num_gpus < 0 or num_cpus + num_gpus <= 0:
         raise ConfigError("num_cpus", num_cpus, "replicas need CPUs or GPUs (both >= 0)")
     args = dict(engine_args or {})
@@ -66,10 +78,11 @@ def build_llm_config(
     cfg = KVRayConfig.from_dict(extra)  # validate now, not in every replica
     if cfg.namespace != namespace:
         raise ConfigError("kvray_config.namespace", cfg.namespace, "use the namespace argument")
-    args["kv_transfer_config"] = {
-        "kv_connector": "KVRayConnector",
-        "kv_connector_extra_config": extra,
-    }
+    if kv_cache == "kvray":
+        args["kv_transfer_config"] = {
+            "kv_connector": "KVRayConnector",
+            "kv_connector_extra_config": extra,
+        }
     bundle: dict[str, float] = {"CPU": num_cpus}
     if num_gpus:
         bundle["GPU"] = num_gpus
@@ -119,9 +132,10 @@ def build_app(
     """
     from ray.serve.llm import build_openai_app
 
-    from kvray.serving.backend import register_backend
+    if kwargs.get("kv_cache", "kvray") == "kvray":
+        from kvray.serving.backend import register_backend
 
-    register_backend()
+        register_backend()
     return build_openai_app(
         {
             "llm_configs": [build_llm_config(model, **kwargs)],

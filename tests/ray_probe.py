@@ -1,0 +1,116 @@
+"""What a Ray cluster's processes spend while a workload runs: CPU seconds by process role and
+the GCS's RPCs by method (``scripts/bench_serve.py`` and the tests; no kvray imports).
+
+CPU: ``psutil`` CPU times (user + system) of every process descending from the calling
+process (a simulated cluster's GCS, raylets, agents, Ray workers, vLLM's engine processes),
+classified by the title Ray and vLLM give them. GCS RPCs: the per-method counters Ray exports
+to Prometheus (an operator's view; updated every ``metrics_report_interval_ms``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.request
+from collections import Counter
+
+import psutil
+
+#: (role, substrings of the process title or command line), first match wins.
+ROLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gcs", ("gcs_server",)),
+    ("raylet", ("/raylet",)),
+    ("dashboard_agent", ("dashboard/agent.py", "DashboardAgent")),
+    ("runtime_env_agent", ("runtime_env/agent",)),
+    ("log_monitor", ("log_monitor.py",)),
+    ("kvray_pool", ("ray::BlockPool",)),
+    ("kvray_index", ("ray::IndexShard",)),
+    ("kvray_control", ("ray::Reconciler",)),
+    ("serve_proxy", ("ProxyActor",)),
+    ("serve_controller", ("ServeController",)),
+    ("ingress", ("OpenAiIngress", "LLMRouter")),
+    ("engine_core", ("EngineCore",)),
+    ("vllm_worker", ("VLLM::Worker", "VllmWorker")),
+    ("llm_replica", ("LLMServer", "ServeReplica")),
+    ("ray_idle_worker", ("ray::IDLE",)),
+)
+
+
+def role_of(title: str) -> str:
+    for role, marks in ROLES:
+        if any(m in title for m in marks):
+            return role
+    return "other"
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except (psutil.Error, OSError):
+        return ""
+
+
+def cpu_by_process(exclude: set[int] | None = None) -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) for this process's descendants."""
+    out: dict[int, tuple[str, float]] = {}
+    skip = exclude or set()
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        if p.pid in skip:
+            continue
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (role_of(_title(p)), t.user + t.system)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def cpu_delta(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> Counter[str]:
+    """CPU seconds spent between two snapshots, by role (new processes count from 0)."""
+    spent: Counter[str] = Counter()
+    for pid, (role, cpu) in after.items():
+        spent[role] += cpu - (before[pid][1] if pid in before else 0.0)
+    return spent
+
+
+_GCS_RPC = re.compile(
+    r'^ray_grpc_server_req_process_time_ms_count\{[^}]*Component="gcs_server"[^}]*'
+    r'Method="([^"]+)"[^}]*\}\s+([0-9.eE+]+)'
+)
+
+
+def gcs_rpc_counts(metrics_urls: list[str]) -> Counter[str]:
+    """The GCS's handled RPCs so far by method (``Service.Method``), as Ray exports them to
+    Prometheus (``ray_grpc_server_req_process_time_ms_count``, component ``gcs_server``)
+    at the head node's metrics endpoint: what an operator's dashboard shows."""
+    counts: Counter[str] = Counter()
+    for url in metrics_urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = _GCS_RPC.match(line)
+            if m is not None:
+                counts[m.group(1).replace(".grpc_server.", ".")] += int(float(m.group(2)))
+    return counts
+
+
+def metrics_urls() -> list[str]:
+    """Every live node's Prometheus endpoint (needs ``ray.init``)."""
+    import ray
+
+    return [
+        f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+        for n in ray.nodes()
+        if n.get("Alive") and n.get("MetricsExportPort")
+    ]
+
+
+def gcs_rpc_snapshot(urls: list[str], report_interval_s: float = 1.0) -> Counter[str]:
+    """Wait one metrics report interval and a bit (so what just happened is exported), read."""
+    time.sleep(report_interval_s * 2.5)
+    return gcs_rpc_counts(urls)
