@@ -22,6 +22,7 @@ import ray
 
 from kvray.actors.types import RAY_NAMESPACE, Changes, index_name
 from kvray.errors import StoreUnavailableError
+from kvray.meta.idtable import warm_up
 from kvray.meta.view import LocalView
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Subscriber:
 
     def start(self) -> None:
         """Take a first snapshot of every shard (so lookups work at once), then subscribe."""
+        warm_up()  # numba's import and kernel loads now, not in the first request's lookup
         refs = [s.handle.changes.remote(self.view.epochs[s.index], -1, 0.0) for s in self._shards]
         snapshots: list[Changes] = ray.get(refs, timeout=self._timeout)
         if any(ch.stopped for ch in snapshots):

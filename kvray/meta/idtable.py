@@ -26,7 +26,7 @@ import numpy as np
 
 from kvray.meta.ids import TOMB
 
-__all__ = ["IdTable"]
+__all__ = ["IdTable", "warm_up"]
 
 _MIN_CAPACITY = 64
 
@@ -37,6 +37,23 @@ def _k() -> ModuleType:
     from kvray.meta import kernels
 
     return kernels
+
+
+@functools.cache
+def warm_up() -> None:
+    """Import numba and load (or compile) every kernel now, once per process.
+
+    The first table operation otherwise pays it: importing numba and loading the cached
+    machine code took 1-5 s of a vLLM scheduler's first lookup on the 2-core box (the first
+    request's TTFT), and a compile on a fresh machine takes longer. Processes that answer
+    lookups call this when they subscribe, before they serve."""
+    t = IdTable({"v": np.uint16})
+    ids = np.arange(2, 10, dtype=np.uint64)
+    t.upsert(ids, v=1)
+    t.find(ids)
+    t.prefix_len(ids)
+    t.items()
+    t.delete(ids[:2])
 
 
 @dataclass(frozen=True, eq=False)
