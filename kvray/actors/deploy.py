@@ -99,6 +99,7 @@ class Reconciler:
             max_restarts=-1,
             max_task_retries=-1,
             max_concurrency=1000,
+            enable_task_events=False,  # long polls and pool batches: hundreds a second
         ).remote(self._cfg.to_dict(), i, self._k, run=True)
 
     async def _loop(self) -> None:
@@ -285,6 +286,7 @@ def spawn_pool(
         num_cpus=0,
         max_concurrency=16,
         max_restarts=-1,
+        enable_task_events=False,  # leases, releases and puts: a few per engine step
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
     ).remote(
         namespace,
@@ -336,6 +338,7 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=100,
+        enable_task_events=False,  # pings of every pool, every health_check_interval_s
     ).remote(cfg.to_dict(), shards, run=True)
     wait = max(cfg.get_timeout_s, 60.0)
     deadline = time.monotonic() + wait

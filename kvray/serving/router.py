@@ -43,7 +43,7 @@ class KVRayRouter(RequestRouter):
         self,
         namespace: str = "default",
         engine_kwargs: dict[str, Any] | None = None,
-        imbalanced_threshold: int = 4,
+        imbalanced_threshold: int = 1,
         min_blocks: int = 1,
     ) -> None:
         """``engine_kwargs``: the engine's arguments (``model`` included) for the pre-routing
