@@ -20,8 +20,8 @@ from typing import Any
 
 import ray
 
-from kvray.actors.types import RAY_NAMESPACE, Changes, index_name
 from kvray.errors import StoreUnavailableError
+from kvray.meta.messages import RAY_NAMESPACE, Changes, index_name
 from kvray.meta.view import LocalView
 
 logger = logging.getLogger(__name__)
