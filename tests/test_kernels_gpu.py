@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvcanon import to_canonical
 
-from kvray.kernels import BlockMover, StagingPool, describe_kv_caches, to_canonical
+from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
 from kvray.kernels.handles import CudaEventHandle
 
 pytestmark = [
