@@ -293,6 +293,8 @@ class BlockIO:
         while not self._closed.is_set():
             with self._release_cv:
                 self._release_cv.wait(RELEASE_INTERVAL_S)
+            if not ray.is_initialized():  # shut down under us: a Ray call would start a new one
+                return
             self.flush_releases()
             with contextlib.suppress(Exception):
                 self.tally.flush()

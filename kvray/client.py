@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from kvray import shutdown
 from kvray.actors.join import ensure_ray, get_control
 from kvray.blockio import BlockIO
 from kvray.blocks import Fetched, Read, as_blocks, as_bytes_view, check_keys, checksum
@@ -67,6 +68,8 @@ class Store:
             except Exception:
                 self.io.close()
                 raise
+        # Closed at exit before Ray shuts down, unless closed before (kvray.shutdown).
+        shutdown.track(self)
 
     def subscribe(self) -> None:
         """Keep a view of the index from now on (a no-op if the store already does)."""
@@ -323,6 +326,7 @@ class Store:
         if self.feed is not None:
             self.feed.close()
         self.io.close()
+        shutdown.untrack(self)
 
     def __enter__(self) -> Store:
         return self

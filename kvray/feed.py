@@ -98,6 +98,8 @@ class Subscriber:
         pending: dict[Any, _Shard] = {}
         issued: dict[int, float] = {}
         while not self._closed.is_set():
+            if not ray.is_initialized():  # shut down under us: a Ray call would start a new one
+                return
             now = time.monotonic()
             for s in self._shards:
                 if s.index not in issued and now >= max(s.retry_at, s.next_poll):
