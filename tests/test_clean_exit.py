@@ -68,7 +68,10 @@ def test_a_script_that_used_kvray_exits_0_every_time(
     assert time.monotonic() - t0 < 120
 
 
-def test_open_stores_are_closed_at_exit_closed_ones_forgotten(kvray_ns: str) -> None:
+def test_open_stores_are_closed_at_exit_closed_ones_forgotten(
+    kvray_ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shutdown, "_open", {})  # only this test's stores
     a, b = kvray.connect(kvray_ns), kvray.connect(kvray_ns)
     a.put([b"exit-hook"], [np.ones(16, dtype=np.uint8)]).result(30)
     a.close()
