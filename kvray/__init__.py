@@ -3,11 +3,17 @@
 ``kvray.start()`` deploys a global index and one block pool per node on a connected Ray
 cluster; ``kvray.connect()`` gives any process on the cluster put / lookup / get of KV blocks.
 The vLLM connector lives in :mod:`kvray.connector` (importing kvray never imports vLLM).
+
+Importing ``kvray`` loads only the Ray-free core (config, errors, keys): ``start``, ``stop``,
+``connect`` and ``Store`` are resolved on first use (PEP 562), so
+``import kvray.kernels`` or ``import kvray.meta`` works where Ray is not installed.
 """
 
-from kvray.actors.deploy import start, stop
-from kvray.actors.types import PutResult
-from kvray.client import Store, connect
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvray.config import ConfigError, KVRayConfig
 from kvray.errors import (
     BlockLostError,
@@ -17,8 +23,35 @@ from kvray.errors import (
     StoreUnavailableError,
 )
 from kvray.keys import LayoutFingerprint, make_keys
+from kvray.meta.messages import PutResult
+
+if TYPE_CHECKING:
+    from kvray.actors.deploy import start, stop
+    from kvray.client import Store, connect
 
 __version__ = "0.1.0"
+
+#: Public names that need Ray, by the module that defines them.
+_LAZY = {
+    "start": "kvray.actors.deploy",
+    "stop": "kvray.actors.deploy",
+    "connect": "kvray.client",
+    "Store": "kvray.client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "BlockLostError",

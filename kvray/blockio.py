@@ -19,58 +19,28 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
-import xxhash
 
 from kvray.actors.join import local_node_id
-from kvray.actors.types import RAY_NAMESPACE, LeaseReply, PutResult, pool_name
+from kvray.blocks import Blocks, Read, checksums
 from kvray.config import KVRayConfig
 from kvray.errors import InvalidArgumentError, StoreUnavailableError
+from kvray.meta.messages import RAY_NAMESPACE, LeaseReply, PutResult, pool_name
 from kvray.metrics import ClientTally
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockIO", "Blocks", "Read", "checksum"]
+__all__ = ["BlockIO"]
 
 #: Longest a finished read keeps its segments leased before the batch goes back.
 RELEASE_INTERVAL_S = 1.0
 #: Finished leases a pool's batch may hold before it is sent at once.
 MAX_RELEASE_BATCH = 256
-
-#: A segment's payload: equal-size blocks as one 2D uint8 array, or a list of 1D uint8 arrays.
-Blocks = np.ndarray | list[np.ndarray]
-
-
-def checksum(block: np.ndarray) -> int:
-    """xxh3-64 of a block's bytes: ~25 GB/s, cheap next to moving the bytes."""
-    return xxhash.xxh3_64_intdigest(memoryview(block).cast("B"))
-
-
-def checksums(blocks: Blocks) -> np.ndarray:
-    """Checksums of every block (rows of a 2D array, or items of a list)."""
-    f = xxhash.xxh3_64_intdigest
-    if isinstance(blocks, np.ndarray):
-        flat = memoryview(blocks.reshape(-1))
-        nb = blocks.shape[1]
-        it: Iterable[int] = (f(flat[i * nb : (i + 1) * nb]) for i in range(blocks.shape[0]))
-    else:
-        it = (f(memoryview(b).cast("B")) for b in blocks)
-    return np.fromiter(it, dtype=np.uint64, count=len(blocks))
-
-
-@dataclass(frozen=True, slots=True)
-class Read:
-    """One block mapped from a pool's segment, with the checksum it was stored with."""
-
-    array: np.ndarray
-    checksum: int
-    slot: int
 
 
 class BlockIO:
@@ -323,6 +293,8 @@ class BlockIO:
         while not self._closed.is_set():
             with self._release_cv:
                 self._release_cv.wait(RELEASE_INTERVAL_S)
+            if not ray.is_initialized():  # shut down under us: a Ray call would start a new one
+                return
             self.flush_releases()
             with contextlib.suppress(Exception):
                 self.tally.flush()

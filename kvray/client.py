@@ -19,46 +19,25 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
 
-from kvray.actors.deploy import get_control
-from kvray.actors.join import ensure_ray
-from kvray.actors.types import RAY_NAMESPACE, PutResult, index_name
-from kvray.blockio import BlockIO, Read, checksum
-from kvray.blocks import as_blocks, as_bytes_view, check_keys
+from kvray import shutdown
+from kvray.actors.join import ensure_ray, get_control
+from kvray.blockio import BlockIO
+from kvray.blocks import Fetched, Read, as_blocks, as_bytes_view, check_keys, checksum
 from kvray.config import KVRayConfig
 from kvray.errors import BlockLostError, InvalidArgumentError, StoreUnavailableError
 from kvray.feed import Subscriber
 from kvray.meta.ids import key_ids
+from kvray.meta.messages import RAY_NAMESPACE, PutResult, index_name
 from kvray.metrics import ClientTally
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Fetched", "Store", "checksum", "connect"]
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """What :meth:`Store.fetch` read: the blocks of ``keys`` (a prefix of the request), in
-    order; ``reason`` says why the request's next key could not be read (``""``: all read).
-
-    The arrays are zero-copy views of the pools' objects: they pin their segment in the
-    object store until dropped, so copy what you need and let them go."""
-
-    keys: list[bytes]
-    reason: str
-    reads: list[Read] = field(repr=False)
-    shard: int = 0
-    pools: dict[int, str] = field(default_factory=dict, repr=False)
-
-    @property
-    def arrays(self) -> list[np.ndarray]:
-        """The blocks' bytes (read-only uint8 arrays), one per key."""
-        return [r.array for r in self.reads]
 
 
 class Store:
@@ -89,6 +68,8 @@ class Store:
             except Exception:
                 self.io.close()
                 raise
+        # Closed at exit before Ray shuts down, unless closed before (kvray.shutdown).
+        shutdown.track(self)
 
     def subscribe(self) -> None:
         """Keep a view of the index from now on (a no-op if the store already does)."""
@@ -345,6 +326,7 @@ class Store:
         if self.feed is not None:
             self.feed.close()
         self.io.close()
+        shutdown.untrack(self)
 
     def __enter__(self) -> Store:
         return self

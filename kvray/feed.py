@@ -20,9 +20,9 @@ from typing import Any
 
 import ray
 
-from kvray.actors.types import RAY_NAMESPACE, Changes, index_name
 from kvray.errors import StoreUnavailableError
 from kvray.meta.idtable import warm_up
+from kvray.meta.messages import RAY_NAMESPACE, Changes, index_name
 from kvray.meta.view import LocalView
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,8 @@ class Subscriber:
         pending: dict[Any, _Shard] = {}
         issued: dict[int, float] = {}
         while not self._closed.is_set():
+            if not ray.is_initialized():  # shut down under us: a Ray call would start a new one
+                return
             now = time.monotonic()
             for s in self._shards:
                 if s.index not in issued and now >= max(s.retry_at, s.next_poll):

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from kvray.actors.deploy import get_control
-from kvray.actors.types import RAY_NAMESPACE, index_name
+from kvray.actors.join import get_control
+from kvray.meta.messages import RAY_NAMESPACE, index_name
 
 if TYPE_CHECKING:
     from kvray.client import Store

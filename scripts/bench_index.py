@@ -38,7 +38,9 @@ sys.path.insert(0, ROOT)
 import ray  # noqa: E402
 
 from kvray.actors.publisher import publish_interval  # noqa: E402
-from kvray.actors.types import (  # noqa: E402
+from kvray.meta.holders import HolderTable  # noqa: E402
+from kvray.meta.ids import index_shard_of, key_ids  # noqa: E402
+from kvray.meta.messages import (  # noqa: E402
     RAY_NAMESPACE,
     Inventory,
     NodeInfo,
@@ -46,8 +48,6 @@ from kvray.actors.types import (  # noqa: E402
     ShardBatch,
     index_name,
 )
-from kvray.meta.holders import HolderTable  # noqa: E402
-from kvray.meta.ids import index_shard_of, key_ids  # noqa: E402
 
 NS = "benchidx"
 POOLS = 64

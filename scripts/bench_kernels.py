@@ -12,11 +12,18 @@ back to back so that machine noise hits them alike: the ratios are what matters.
 threads); the ``alt:`` rows are the torch strategies, for comparison.
 
 On a GPU (when CUDA is present) it also measures the standardised NHD layout: gather / scatter
-to device memory vs a device-to-device copy, to pinned host memory vs a device-to-host copy, and
-the one-launch CuPy kernel vs a per-layer torch loop.
+to device memory vs a device-to-device copy, to pinned host memory (the connector's staging
+rows) vs a ``cudaMemcpyAsync`` of the same bytes (device-to-host, host-to-device: the physical
+limit), each engine (the one-launch CuPy kernel, torch), and a per-layer torch loop.
 
 The last line is ``ratio gather=<x> scatter=<y>``: fractions of the plain copy on the CPU, the
-worse of the measured block sizes.
+worse of the measured block sizes. With ``--gpu-only`` (``scripts/gpu_check.sh``) the CPU part is
+skipped and the last line is ``ratio gather_over_d2h=<x> scatter_over_h2d=<y>
+cupy_over_torch=<z>``: gather to pinned host over a plain D2H copy of the same bytes, scatter
+from pinned host over a plain H2D copy (the default engine; 1.0 is the physical limit), and the
+CuPy engine's time over the torch engine's for that gather + scatter (nan without CuPy); times
+are medians of the repeats, ratios the worse of the block sizes. Needs torch and kvray.kernels
+only (no Ray, no vLLM).
 """
 
 from __future__ import annotations
@@ -138,8 +145,11 @@ def bench_cpu(args: argparse.Namespace, block_size: int) -> list[tuple[str, floa
     return [(name, nbytes / t / 1e9, base / t) for name, t in med.items()]
 
 
-def bench_gpu(args: argparse.Namespace, block_size: int) -> list[tuple[str, float, float]]:
-    """Rows for one block size on the GPU (NHD, flash-attention's default layout)."""
+def bench_gpu(
+    args: argparse.Namespace, block_size: int
+) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
+    """Rows for one block size on the GPU (NHD, flash-attention's default layout), and the
+    ratios of the last line of ``--gpu-only``."""
     dev = "cuda"
     caches = _make_cache(
         dev, args.layers, args.pool_blocks, args.heads, block_size, args.head_size, nhd=True
@@ -157,6 +167,9 @@ def bench_gpu(args: argparse.Namespace, block_size: int) -> list[tuple[str, floa
     plain_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     _fill(plain_src)
     host_plain = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    _fill(host_plain)
+    host_plain_src = host_plain.clone().pin_memory()
+    default_engine = BlockMover(caches, layout).engine
     movers = {"torch": BlockMover(caches, layout, engine="torch")}
     try:
         movers["cupy"] = BlockMover(caches, layout, engine="cupy")
@@ -176,6 +189,7 @@ def bench_gpu(args: argparse.Namespace, block_size: int) -> list[tuple[str, floa
         ops: dict[str, Callable[[], None]] = {
             "plain D2D copy": lambda: plain_dst.copy_(plain_src),
             "plain D2H copy (pinned)": lambda: host_plain.copy_(plain_src, non_blocking=True),
+            "plain H2D copy (pinned)": lambda: plain_dst.copy_(host_plain_src, non_blocking=True),
             "per-layer torch loop (to device)": per_layer_loop,
         }
         for name, mover in movers.items():
@@ -185,13 +199,29 @@ def bench_gpu(args: argparse.Namespace, block_size: int) -> list[tuple[str, floa
             ops[f"scatter {name} (from pinned host)"] = lambda m=mover: m.scatter(dst_ids, host_buf)
         med = _median_times(ops, args.repeats, torch.cuda.synchronize)
     d2d, d2h = med["plain D2D copy"], med["plain D2H copy (pinned)"]
+    h2d = med["plain H2D copy (pinned)"]
     for name, t in med.items():
-        base = d2h if ("host" in name or "D2H" in name) else d2d
+        if "H2D" in name or "from pinned host" in name:
+            base = h2d
+        elif "D2H" in name or "to pinned host" in name:
+            base = d2h
+        else:
+            base = d2d
         rows.append((name, nbytes / t / 1e9, base / t))
     if "gather cupy (to device)" in med:
         speedup = med["per-layer torch loop (to device)"] / med["gather cupy (to device)"]
         rows.append(("cupy one launch vs per-layer loop (x faster)", float("nan"), speedup))
-    return rows
+    engine = "cupy" if default_engine == "cupy" else "torch"
+    host = {
+        name: med[f"gather {name} (to pinned host)"] + med[f"scatter {name} (from pinned host)"]
+        for name in movers
+    }
+    ratios = {
+        "gather_over_d2h": med[f"gather {engine} (to pinned host)"] / d2h,
+        "scatter_over_h2d": med[f"scatter {engine} (from pinned host)"] / h2d,
+        "cupy_over_torch": host["cupy"] / host["torch"] if "cupy" in host else float("nan"),
+    }
+    return rows, ratios
 
 
 def main() -> None:
@@ -207,10 +237,16 @@ def main() -> None:
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32])
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
+    p.add_argument(
+        "--gpu-only", action="store_true", help="skip the CPU section (last line: GPU ratios)"
+    )
     args = p.parse_args()
     if args.quick:
         args.layers, args.pool_blocks, args.blocks, args.repeats = 8, 128, 32, 5
         args.block_sizes = [16]
+    if args.gpu_only:
+        gpu_main(args)
+        return
     print(
         f"# kvray kernels: {args.layers} layers, {args.heads} KV heads, head size "
         f"{args.head_size}, bf16, {args.blocks} random of {args.pool_blocks} blocks per call, "
@@ -227,13 +263,43 @@ def main() -> None:
                 worst[name] = min(worst.get(name, float("inf")), ratio)
     if torch.cuda.is_available() and not args.no_gpu:
         for bs in args.block_sizes:
-            rows = bench_gpu(args, bs)
-            torch.cuda.empty_cache()
-            for name, gbs, ratio in rows:
-                print(f"{'cuda':6} {bs:>3} {name:44} {gbs:8.2f} {ratio:8.2f}")
+            _print_gpu_rows(bs, bench_gpu(args, bs)[0])
     sizes = ", ".join(map(str, args.block_sizes))
     print(f"# ratio: CPU, fraction of the plain copy, worse of block sizes {sizes}")
     print(f"ratio gather={worst['gather']:.2f} scatter={worst['scatter']:.2f}")
+
+
+def _print_gpu_rows(bs: int, rows: list[tuple[str, float, float]]) -> None:
+    torch.cuda.empty_cache()
+    for name, gbs, ratio in rows:
+        print(f"{'cuda':6} {bs:>3} {name:44} {gbs:8.2f} {ratio:8.2f}")
+
+
+def gpu_main(args: argparse.Namespace) -> None:
+    """``--gpu-only``: the GPU table, then the ratios line (the worse of the block sizes)."""
+    if not torch.cuda.is_available():
+        print("# no CUDA device found: nothing to measure")
+        return
+    print(
+        f"# kvray kernels on {torch.cuda.get_device_name()}: {args.layers} layers, "
+        f"{args.heads} KV heads, head size {args.head_size}, bf16, {args.blocks} random of "
+        f"{args.pool_blocks} blocks per call, median of {args.repeats}; torch "
+        f"{torch.__version__} (CUDA {torch.version.cuda})"
+    )
+    print(f"{'device':6} {'bs':>3} {'operation':44} {'GB/s':>8} {'x plain':>8}")
+    worst: dict[str, float] = {}
+    for bs in args.block_sizes:
+        rows, ratios = bench_gpu(args, bs)
+        _print_gpu_rows(bs, rows)
+        for k, v in ratios.items():
+            worst[k] = max(worst.get(k, v), v)  # nan stays nan
+    sizes = ", ".join(map(str, args.block_sizes))
+    print(f"# ratio: GPU, time over a plain copy of the same bytes, worse of block sizes {sizes}")
+    print(
+        f"ratio gather_over_d2h={worst['gather_over_d2h']:.2f} "
+        f"scatter_over_h2d={worst['scatter_over_h2d']:.2f} "
+        f"cupy_over_torch={worst['cupy_over_torch']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def _push_to_disk(ns: str, pool: Any, ram: int) -> None:
 def _restart_warm(ns: str, pool: Any) -> dict[str, Any]:
     """Kill the pool actor (Ray restarts it: RAM empty, the files scanned and registered) and
     wait until the index has its inventory again."""
-    from kvray.actors.types import RAY_NAMESPACE, index_name
+    from kvray.meta.messages import RAY_NAMESPACE, index_name
 
     index = ray.get_actor(index_name(ns), namespace=RAY_NAMESPACE)
     resyncs = ray.get(index.stats.remote(), timeout=30)["resyncs"]
@@ -107,7 +107,7 @@ def ttft_figures(work: Path, rounds: int, repeats: int) -> dict[str, Any]:
 
     import kvray
     from kvray.actors.join import local_node_id
-    from kvray.actors.types import RAY_NAMESPACE, pool_name
+    from kvray.meta.messages import RAY_NAMESPACE, pool_name
 
     shape = bench_e2e.MODEL_SHAPE
     model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvray-bench", "model"), **shape)

@@ -1,20 +1,13 @@
-"""Shared fixtures: one real multi-node Ray cluster for the whole session.
-
-The cluster is a ``ray.cluster_utils.Cluster`` on this machine: a head and two worker "nodes",
-each a real raylet with its own object store, tagged with custom resources ``node_a`` /
-``node_b`` so tests can pin tasks and actors to them. Ray's auth mode is set explicitly so the
-suite behaves the same with or without ``~/.ray/auth_token``.
+"""Shared test setup. The Ray fixtures (``ray_cluster``, ``kvray_ns``) live in
+:mod:`ray_fixtures` and are only loaded when Ray is installed: the kernel tests
+(``test_kernels*.py``) also run on a bare CUDA machine with torch and no Ray or vLLM
+(``scripts/gpu_check.sh``). Ray's auth mode is set explicitly so the suite behaves the same
+with or without ``~/.ray/auth_token``.
 """
 
 from __future__ import annotations
 
 import os
-import random
-import socket
-import uuid
-from collections.abc import Iterator
-
-import pytest
 
 os.environ["RAY_AUTH_MODE"] = "disabled"
 # Ray workers (and vLLM subprocesses) import test helpers by module name, as pytest does.
@@ -25,86 +18,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-import kvray  # noqa: E402
-
-OBJECT_STORE_BYTES = 256 << 20
-
-
-def _node_args(resources: dict[str, float], num_cpus: int) -> dict:
-    return {
-        "num_cpus": num_cpus,
-        "object_store_memory": OBJECT_STORE_BYTES,
-        "resources": resources,
-        "include_dashboard": False,
-    }
-
-
-def _free_port() -> int:
-    """A free TCP port below the kernel's ephemeral range (so no outgoing socket takes it)."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port in 20000-32000")
-
-
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Cluster]:
-    """Head + simulated nodes A and B; this process is connected; RAY_ADDRESS is exported.
-
-    The head runs Ray's dashboard (tests/test_monitor.py opens it in a browser); it looks for
-    Prometheus at RAY_PROMETHEUS_HOST, a port kept free for tests/test_monitor.py.
-    """
-    old_prom = os.environ.get("RAY_PROMETHEUS_HOST")
-    os.environ["RAY_PROMETHEUS_HOST"] = f"http://127.0.0.1:{_free_port()}"
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            **_node_args({"head": 1}, 2),
-            "include_dashboard": True,
-            "dashboard_host": "127.0.0.1",
-            "dashboard_port": _free_port(),
-            "_system_config": {
-                # Detect removed nodes within seconds (defaults take ~30 s).
-                "health_check_initial_delay_ms": 0,
-                "health_check_period_ms": 500,
-                "health_check_failure_threshold": 4,
-                # Push metrics to each node's Prometheus endpoint every second (default 10 s).
-                "metrics_report_interval_ms": 1000,
-            },
-        },
-    )
-    cluster.add_node(**_node_args({"node_a": 1}, 2))
-    cluster.add_node(**_node_args({"node_b": 1}, 2))
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="kvray-tests", log_to_driver=False)
-    old_addr = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = cluster.address
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        for name, old in (("RAY_ADDRESS", old_addr), ("RAY_PROMETHEUS_HOST", old_prom)):
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
-@pytest.fixture
-def kvray_ns(ray_cluster: Cluster) -> Iterator[str]:
-    """A fresh kvray namespace, started for one test and stopped after it."""
-    ns = f"t{uuid.uuid4().hex[:10]}"
-    kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
-    try:
-        yield ns
-    finally:
-        kvray.stop(ns)
+try:
+    import ray  # noqa: F401
+except ImportError:  # a bare CUDA machine (scripts/gpu_check.sh): the kernel tests only
+    pass
+else:
+    from ray_fixtures import kvray_ns, ray_cluster  # noqa: F401 -- fixtures, by name

@@ -494,7 +494,7 @@ def test_decode_blocks_stored_at_finish_and_events(harness_factory: Any) -> None
     # The pool drops block 1 (as after a checksum failure): the feed carries the removal.
     import ray
 
-    from kvray.actors.types import RAY_NAMESPACE, pool_name
+    from kvray.meta.messages import RAY_NAMESPACE, pool_name
 
     key = h.sconn.key_space.block_keys(hashes[1:2])
     me = ray.get_runtime_context().get_node_id()

@@ -28,12 +28,12 @@ from typer.testing import CliRunner
 
 import kvray
 from kvray.actors.segment import SegmentMeta
-from kvray.actors.types import RAY_NAMESPACE, index_name, pool_name
 from kvray.cli import app
 from kvray.config import ConfigError, KVRayConfig
 from kvray.disk import DiskTier, fingerprint, segfile
 from kvray.disk.payload import block_checksum
 from kvray.meta.ids import key_ids
+from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
 
 MiB = 1 << 20
 BLOCK = 256 << 10

@@ -26,8 +26,8 @@ from ray.cluster_utils import Cluster
 
 import kvray
 from kvray.actors.leases import Leases
-from kvray.actors.types import RAY_NAMESPACE, control_name, index_name, pool_name
 from kvray.meta.ids import key_ids
+from kvray.meta.messages import RAY_NAMESPACE, control_name, index_name, pool_name
 
 BLOCK = 64 << 10
 

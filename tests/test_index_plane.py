@@ -14,9 +14,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 import kvray
-from kvray.actors.types import RAY_NAMESPACE, index_name, pool_name
 from kvray.meta.holders import PLACEMENT_BASE
 from kvray.meta.ids import index_shard_of, key_ids
+from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
 
 
 def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:

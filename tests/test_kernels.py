@@ -1,4 +1,4 @@
-"""kvray.kernels on the CPU: layout detection, gather / scatter, conversions, staging pool.
+"""kvray.kernels on the CPU: layout detection, gather / scatter, staging pool.
 
 Every cache is filled with random bytes (never zeros), every comparison is bit-exact, and every
 scatter is checked against the whole backing storage, so a byte written outside the named blocks
@@ -20,20 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kvcanon import from_canonical, to_canonical
 
 from kvray.kernels import (
     BlockMover,
     KVCacheLayout,
     StagingPool,
     StagingPoolExhausted,
-    convert_blocks,
     describe_kv_caches,
-    from_canonical,
-    kv_postprocess_blksize_and_layout_on_receive,
-    kv_postprocess_blksize_on_receive,
-    kv_postprocess_layout_on_receive,
     make_layout,
-    to_canonical,
     torch_ops,
 )
 from kvray.kernels.cuda_ops import kernel_source, launch_config, word_width
@@ -576,110 +571,8 @@ def test_import_needs_neither_cupy_nor_vllm() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Conversions
+# The canonical decoder the tests use as an oracle (tests/kvcanon.py)
 # ----------------------------------------------------------------------------------------------
-
-
-def _ref_blksize(x: torch.Tensor, src_bs: int, dst_bs: int, layout: str) -> torch.Tensor:
-    nb = x.shape[0]
-    heads = x.shape[1] if layout == "HND" else x.shape[2]
-    total = nb * src_bs
-    shape = (total // dst_bs, heads, dst_bs, x.shape[3])
-    if layout == "NHD":
-        shape = (total // dst_bs, dst_bs, heads, x.shape[3])
-    out = torch.empty(shape, dtype=x.dtype)
-    for g in range(total):
-        sb, sp = divmod(g, src_bs)
-        db, dp = divmod(g, dst_bs)
-        for h in range(heads):
-            if layout == "HND":
-                out[db, h, dp] = x[sb, h, sp]
-            else:
-                out[db, dp, h] = x[sb, sp, h]
-    return out
-
-
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize(("src_bs", "dst_bs"), [(4, 16), (16, 4), (8, 8), (4, 8)])
-def test_blksize_on_receive_matches_reference(layout: str, src_bs: int, dst_bs: int) -> None:
-    nb = 8
-    shape = (nb, 3, src_bs, 6) if layout == "HND" else (nb, src_bs, 3, 6)
-    x = torch.empty(shape, dtype=torch.bfloat16).view(torch.int16).random_().view(torch.bfloat16)
-    keep = bits(x).clone()
-    got = kv_postprocess_blksize_on_receive(
-        x, src_block_size=src_bs, dst_block_size=dst_bs, layout=layout
-    )
-    assert got.dtype == x.dtype
-    assert torch.equal(bits(got), _ref_blksize(bits(x), src_bs, dst_bs, layout))
-    assert torch.equal(bits(x), keep), "input modified"
-    back = kv_postprocess_blksize_on_receive(
-        got, src_block_size=dst_bs, dst_block_size=src_bs, layout=layout
-    )
-    assert torch.equal(bits(back), bits(x))
-
-
-def test_layout_on_receive_matches_reference() -> None:
-    x = torch.empty(5, 3, 4, 6, dtype=torch.float16).view(torch.int16).random_()
-    x = x.view(torch.float16)
-    got = kv_postprocess_layout_on_receive(x, src_layout="HND", dst_layout="NHD")
-    ref = torch.empty(5, 4, 3, 6, dtype=torch.int16)
-    for b in range(5):
-        for h in range(3):
-            for t in range(4):
-                ref[b, t, h] = bits(x)[b, h, t]
-    assert torch.equal(bits(got), ref)
-    assert got.is_contiguous()
-    back = kv_postprocess_layout_on_receive(got, src_layout="nhd", dst_layout="hnd")
-    assert torch.equal(bits(back), bits(x))
-    same = kv_postprocess_layout_on_receive(x, src_layout="HND", dst_layout="HND")
-    assert torch.equal(bits(same), bits(x)) and same.data_ptr() != x.data_ptr()
-    both = kv_postprocess_blksize_and_layout_on_receive(
-        x, src_block_size=4, dst_block_size=20, src_layout="HND", dst_layout="NHD"
-    )
-    assert torch.equal(bits(both), _ref_blksize(ref, 4, 20, "NHD"))
-    with pytest.raises(ValueError, match="HND"):
-        kv_postprocess_layout_on_receive(x, src_layout="XYZ", dst_layout="NHD")
-    with pytest.raises(ValueError, match="do not split"):
-        kv_postprocess_blksize_on_receive(x, src_block_size=4, dst_block_size=3)
-    with pytest.raises(ValueError, match="tokens per block"):
-        kv_postprocess_blksize_on_receive(x, src_block_size=8, dst_block_size=16)
-
-
-# (kind, factor) pairs that hold the same multi-head model shard
-MHA_LAYOUTS = [
-    ("cpu_kv_interleaved", 1),
-    ("hnd", 2),
-    ("nhd", 1),
-    ("nhd", 4),
-    ("kv_first_nhd", 2),
-    ("kv_first_hnd", 1),
-    ("blocks_first_hnd", 2),
-]
-
-
-@pytest.mark.parametrize(("src_kind", "src_f"), MHA_LAYOUTS)
-@pytest.mark.parametrize(("dst_kind", "dst_f"), [*MHA_LAYOUTS[::2], ("blocks_first_nhd", 4)])
-def test_convert_blocks_between_layouts(
-    src_kind: str, src_f: int, dst_kind: str, dst_f: int
-) -> None:
-    src_c = make_caches(src_kind, torch.bfloat16, factor=src_f)
-    dst_c = make_caches(dst_kind, torch.bfloat16, factor=dst_f)
-    src, dst = src_c.describe(), dst_c.describe()
-    ids = [3, 4, 5, 6] if src_f <= 2 else [6, 2]  # at most 32 tokens: fits NB blocks of N
-    buf = torch.empty(len(ids), src.block_nbytes, dtype=torch.uint8)
-    BlockMover(src_c.layers, src).gather(ids, buf)
-    ref = ref_canonical(src_c, ids)  # [n, L, H, T, S, D]
-    got = convert_blocks(buf, src, dst)
-    # Tokens regroup across blocks when the block sizes differ.
-    seq = ref.permute(1, 2, 0, 3, 4, 5).reshape(L, H, -1, 2, D)
-    m = seq.shape[2] // dst.block_size
-    want = seq.reshape(L, H, m, dst.block_size, 2, D).permute(2, 0, 1, 3, 4, 5)
-    assert got.shape == (m, dst.block_nbytes)
-    assert torch.equal(bits(to_canonical(got, dst)), want)
-    # Scattered into a cache of the destination layout, the tokens read back correctly.
-    BlockMover(dst_c.layers, dst).scatter(list(range(m)), got)
-    assert torch.equal(ref_canonical(dst_c, list(range(m))), want)
-    assert torch.equal(convert_blocks(got, dst, src), buf) if m == len(ids) else True
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -695,18 +588,7 @@ def test_canonical_roundtrip_every_dtype(dtype: torch.dtype) -> None:
         assert torch.equal(from_canonical(canon, lay), buf)
 
 
-def test_convert_refuses_what_it_cannot_do() -> None:
-    mha = make_caches("hnd", torch.bfloat16).describe()
-    mla = make_caches("mla", torch.bfloat16).describe()
-    buf = torch.empty(2, mha.block_nbytes, dtype=torch.uint8).random_()
-    with pytest.raises(ValueError, match="num_heads"):
-        convert_blocks(buf, mha, mla)
-    with pytest.raises(ValueError, match="dtype"):
-        convert_blocks(buf, mha, make_caches("hnd", torch.float16).describe())
-    with pytest.raises(ValueError, match="regroup"):
-        convert_blocks(buf[:1], mha, mha.with_block_size(2 * N))
-    with pytest.raises(ValueError, match="block buffer"):
-        convert_blocks(buf[:, 1:], mha, mha.with_block_size(2 * N))
+def test_undecodable_cpu_pages_and_bad_variants_are_refused() -> None:
     amx = make_layout(
         kind="cpu_kv_interleaved",
         dtype=torch.bfloat16,
@@ -721,10 +603,7 @@ def test_convert_refuses_what_it_cannot_do() -> None:
         variant="amx",
     )
     with pytest.raises(ValueError, match="ISA"):
-        convert_blocks(buf, amx, mha)
-    # Same fingerprint: a plain copy, even for formats kvray cannot decode.
-    same = convert_blocks(buf, amx, amx)
-    assert torch.equal(same, buf) and same.data_ptr() != buf.data_ptr()
+        to_canonical(torch.zeros(2, amx.block_nbytes, dtype=torch.uint8), amx)
     with pytest.raises(ValueError, match="variant"):
         make_layout(**{**_layout_kwargs(amx), "variant": "AMX!"})
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvcanon import to_canonical
 
-from kvray.kernels import BlockMover, StagingPool, describe_kv_caches, to_canonical
+from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
 from kvray.kernels.handles import CudaEventHandle
 
 pytestmark = [
@@ -37,6 +38,8 @@ def _engines() -> list[str]:
 
 
 ENGINES = _engines()
+#: vLLM's GPU KV layouts, built synthetically (one allocation, per-layer views).
+KINDS = ["nhd", "hnd", "kv_first_nhd", "kv_first_hnd", "blocks_first_nhd", "block_major_nhd", "mla"]
 
 
 def _caches(
@@ -49,8 +52,12 @@ def _caches(
         phys = (L, nbk, N, H, 2 * D)
     elif kind == "hnd":
         phys = (L, nbk, H, N, 2 * D)
-    elif kind == "kv_first_nhd":
+    elif kind == "kv_first_nhd":  # flash-attention's per-layer [2, blocks, N, H, D]
         phys = (L, 2, nbk, N, H, D)
+    elif kind == "kv_first_hnd":
+        phys = (L, 2, nbk, H, N, D)
+    elif kind == "blocks_first_nhd":  # FlashInfer's [blocks, 2, N, H, D]
+        phys = (L, nbk, 2, N, H, D)
     elif kind == "block_major_nhd":  # BLNHC: every block holds all layers
         phys = (nbk, L, N, H, 2 * D)
     else:  # mla
@@ -65,6 +72,10 @@ def _caches(
         layers, hint = [t[i] for i in range(L)], "FLASHINFER"
     elif kind == "kv_first_nhd":
         layers, hint = [t[i] for i in range(L)], "FLASH_ATTN"
+    elif kind == "kv_first_hnd":
+        layers, hint = [t[i].permute(0, 1, 3, 2, 4) for i in range(L)], "FLASH_ATTN"
+    elif kind == "blocks_first_nhd":
+        layers, hint = [t[i] for i in range(L)], "FLASHINFER"
     elif kind == "block_major_nhd":
         layers, hint = [t[:, i].permute(0, 2, 1, 3) for i in range(L)], "FLASH_ATTN"
     else:
@@ -93,7 +104,7 @@ def _expected(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("kind", ["nhd", "hnd", "kv_first_nhd", "block_major_nhd", "mla"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("factor", [1, 2])
 @pytest.mark.parametrize("host", [False, True], ids=["device_buf", "pinned_host_buf"])
@@ -117,7 +128,7 @@ def test_roundtrip(engine: str, kind: str, dtype: torch.dtype, factor: int, host
     BlockMover(cpu_layers, cpu_lay).gather(src, cpu_out)
     assert cpu_lay.fingerprint == lay.fingerprint
     assert torch.equal(out[:n].cpu(), cpu_out)
-    bdim = 1 if kind.startswith("kv_first") else 0
+    bdim = 1 if kind.startswith("kv_first") else 0  # the block axis of each layer's view
     expected = _expected(raw, layers, factor, bdim, src, dst)
     mover.scatter(dst, out[:n])
     torch.cuda.synchronize()

@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from kvray.actors.types import Changes, NodeInfo
 from kvray.meta.holders import MAX_POOLS, PLACEMENT_BASE, HolderTable, full_masks
 from kvray.meta.ids import index_shard_of, key_ids, shard_ids
 from kvray.meta.idtable import IdTable
+from kvray.meta.messages import Changes, NodeInfo
 from kvray.meta.view import LocalView
 
 

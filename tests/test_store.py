@@ -16,9 +16,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 import kvray
-from kvray.actors.types import RAY_NAMESPACE, index_name, pool_name
 from kvray.config import ConfigError
 from kvray.meta.ids import key_ids
+from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
 
 BLOCK = 256 << 10
 

@@ -24,10 +24,14 @@ from typing import Any
 import ray
 
 from kvray.actors.index import IndexShardActor
-from kvray.actors.join import ensure_ray
+from kvray.actors.join import ensure_ray, get_control
 from kvray.actors.pool import BlockPoolActor
 from kvray.actors.publisher import publish_interval
-from kvray.actors.types import (
+from kvray.config import KVRayConfig
+from kvray.disk import DiskSettings
+from kvray.errors import InvalidArgumentError, NotStartedError, StoreUnavailableError
+from kvray.meta.holders import MAX_POOLS
+from kvray.meta.messages import (
     RAY_NAMESPACE,
     NodeInfo,
     PoolStatus,
@@ -36,10 +40,6 @@ from kvray.actors.types import (
     pool_name,
     pool_prefix,
 )
-from kvray.config import KVRayConfig
-from kvray.disk import DiskSettings
-from kvray.errors import InvalidArgumentError, NotStartedError, StoreUnavailableError
-from kvray.meta.holders import MAX_POOLS
 
 logger = logging.getLogger(__name__)
 
@@ -304,17 +304,6 @@ def spawn_pool(
 
 #: The actor; created with ``run=True`` so that it starts its threads in every incarnation.
 ReconcilerActor = ray.remote(Reconciler)
-
-
-def get_control(namespace: str) -> Any:
-    """The reconciler of a namespace, or :class:`NotStartedError`."""
-    try:
-        return ray.get_actor(control_name(namespace), namespace=RAY_NAMESPACE)
-    except ValueError:
-        raise NotStartedError(
-            f"kvray is not started in namespace {namespace!r} on this cluster "
-            f"(run `kvray start --namespace {namespace}` or kvray.start())"
-        ) from None
 
 
 def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:

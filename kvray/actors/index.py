@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from kvray.actors.types import (
+from kvray.config import KVRayConfig
+from kvray.meta.holders import PLACEMENT_BASE, Diff, HolderTable
+from kvray.meta.messages import (
     RAY_NAMESPACE,
     Changes,
     Inventory,
@@ -34,8 +36,6 @@ from kvray.actors.types import (
     PoolStatus,
     ShardBatch,
 )
-from kvray.config import KVRayConfig
-from kvray.meta.holders import PLACEMENT_BASE, Diff, HolderTable
 from kvray.metrics import IndexMetrics
 
 logger = logging.getLogger(__name__)

@@ -1,17 +1,22 @@
-"""Joining a Ray cluster from a kvray process: fail fast and clearly when it cannot be reached."""
+"""Joining a Ray cluster from a kvray process: fail fast and clearly when it cannot be reached.
+
+Also the client's way to a running namespace (:func:`get_control`). Needs Ray, never the
+actor classes: a client (a vLLM worker) imports this, not :mod:`kvray.actors.deploy`.
+"""
 
 from __future__ import annotations
 
 import os
 import random
 import socket
+from typing import Any
 
 import ray
 
-from kvray.actors.types import RAY_NAMESPACE
-from kvray.errors import StoreUnavailableError
+from kvray.errors import NotStartedError, StoreUnavailableError
+from kvray.meta.messages import RAY_NAMESPACE, control_name
 
-__all__ = ["ensure_ray", "local_node_id"]
+__all__ = ["ensure_ray", "get_control", "local_node_id"]
 
 #: Names the node whose pool this process writes to, over Ray's own answer.
 NODE_ENV = "KVRAY_NODE_ID"
@@ -26,6 +31,17 @@ def local_node_id() -> str:
     started it. kvray's Ray Serve backend sets it in each replica, so vLLM's engine processes
     write to their replica's node."""
     return os.environ.get(NODE_ENV) or ray.get_runtime_context().get_node_id()
+
+
+def get_control(namespace: str) -> Any:
+    """The reconciler of a namespace, or :class:`NotStartedError`."""
+    try:
+        return ray.get_actor(control_name(namespace), namespace=RAY_NAMESPACE)
+    except ValueError:
+        raise NotStartedError(
+            f"kvray is not started in namespace {namespace!r} on this cluster "
+            f"(run `kvray start --namespace {namespace}` or kvray.start())"
+        ) from None
 
 
 def ensure_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None:

@@ -37,10 +37,10 @@ from kvray.actors.poolstate import PoolState, Removed
 from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
 from kvray.actors.segment import SegmentMeta
 from kvray.actors.tiering import Tiering
-from kvray.actors.types import Inventory, LeaseReply, PutResult
 from kvray.disk import DiskSettings
 from kvray.errors import InvalidArgumentError
 from kvray.meta.ids import index_shard_of, shard_ids
+from kvray.meta.messages import Inventory, LeaseReply, PutResult
 from kvray.metrics import PoolMetrics
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from kvray.actors.types import RAY_NAMESPACE, ShardBatch, index_name
 from kvray.meta.ids import index_shard_of
+from kvray.meta.messages import RAY_NAMESPACE, ShardBatch, index_name
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvray.client import Fetched
+from kvray.blocks import Fetched
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import JobId, KVRayConnectorMetadata, LoadSpec
 from kvray.connector.paged import Source

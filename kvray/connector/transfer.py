@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvray.blockio import checksum
+from kvray.blocks import checksum
 from kvray.config import KVRayConfig
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.loads import LoadJob, TransferStore

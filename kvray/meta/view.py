@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvray.actors.types import Changes, NodeInfo
 from kvray.meta.holders import MAX_POOLS
 from kvray.meta.ids import index_shard_of
 from kvray.meta.idtable import IdTable
+from kvray.meta.messages import Changes, NodeInfo
 
 __all__ = ["LocalView"]
 

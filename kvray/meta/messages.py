@@ -1,4 +1,7 @@
-"""Small values exchanged between clients, block pools, index shards and the reconciler.
+"""Names and small values exchanged between clients, block pools, index shards and the reconciler.
+
+Ray-free (the core of kvray): :mod:`kvray.meta.view`, the client, the actors and the connector
+all read these; Ray's ``ObjectRef`` is only named in annotations.
 
 Everything per block travels as numpy arrays aligned with a request (ids, shard numbers, codes),
 never as per-block Python objects: a batch of a million blocks pickles as a few buffers.
@@ -7,9 +10,12 @@ never as per-block Python objects: a batch of a million blocks pickles as a few 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-from ray import ObjectRef
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 RAY_NAMESPACE = "kvray"
 """Every kvray actor lives in this Ray namespace; a kvray namespace is a name prefix inside it."""
