@@ -250,12 +250,14 @@ class PoolState:
 
     def figures(self) -> dict[str, int]:
         """Blocks by tier and metadata bytes (iterates the segments: for stats only)."""
-        ram = spilling = disk_only = 0
+        ram = spilling = disk_only = leased = 0
         meta_bytes = self.table.nbytes
         for seg in self.segments.values():
             meta_bytes += seg.meta.meta_nbytes + seg.hits.nbytes + seg.live.nbytes
             if seg.in_ram:
                 ram += seg.live_count
+                if seg.leases:
+                    leased += seg.meta.nbytes
             elif seg.spill is not None:
                 spilling += seg.live_count
             elif seg.ref is None:
@@ -265,6 +267,7 @@ class PoolState:
             "present_blocks": len(self.table),
             "spilling_blocks": spilling,
             "disk_only_blocks": disk_only,
+            "leased_bytes": leased,  # of ``used``: segments readers hold (not evictable)
             "meta_bytes": int(meta_bytes),
         }
 

@@ -318,7 +318,7 @@ class DiskTier:
         try:
             return segfile.map_payload(seg.path, seg.meta.sizes, seg.block_nbytes)
         except FileNotFoundError:
-            raise BlockLostError(seg.meta.keys(), "evicted from the disk tier") from None
+            raise BlockLostError(seg.meta.keys(), "disk file gone (evicted or deleted)") from None
         except OSError as e:  # the disk or the process, not the file: keep it
             raise BlockLostError(seg.meta.keys(), f"disk read failed: {e}") from None
         except segfile.SegmentFileError as e:
