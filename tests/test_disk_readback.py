@@ -393,3 +393,129 @@ def test_failed_disk_reads_name_their_cause(ray_cluster: Cluster, tmp_path: Path
             hung.close()
         store.close()
         kvray.stop(ns, purge=True)
+
+
+# ---------------------------------------------------------------------- vLLM
+
+
+@ray.remote(num_cpus=0, resources={"head": 1})
+class _LeasingEngine:
+    """Another engine on this (head) node, in its own process, whose loads can keep their
+    leases (``hold``): what the pool sees of an engine mid-load, held still."""
+
+    def __init__(self, model: str, namespace: str, extra: dict[str, Any]) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        from vllm_helpers import engine_kwargs, kvray_transfer_config
+
+        ktc = kvray_transfer_config(namespace, **extra)
+        self.llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
+
+    def generate(self, prompts: list[list[int]], reset: bool = False) -> dict[str, Any]:
+        from vllm_helpers import cached_tokens, generate, token_ids
+
+        if reset:
+            assert self.llm.reset_prefix_cache()
+        outs = generate(self.llm, prompts)
+        return {"tokens": token_ids(outs), "cached": cached_tokens(outs)}
+
+    def flush(self) -> None:
+        from vllm_helpers import worker_connector_of
+
+        worker_connector_of(self.llm).worker.flush()
+
+    def hold(self, on: bool) -> None:
+        from vllm_helpers import worker_connector_of
+
+        io = worker_connector_of(self.llm).worker.store.io
+        if on:
+            io.flush_releases = lambda: None
+        else:
+            del io.flush_releases
+            io.flush_releases()
+
+    def close(self) -> None:
+        from vllm_helpers import close_llm
+
+        close_llm(self.llm)
+
+
+@pytest.mark.vllm
+def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
+    ray_cluster: Cluster, tmp_path: Path
+) -> None:
+    """Engine A computes two prompts; engine B's longer prompt pushes A's blocks out of a
+    1 MiB RAM tier onto disk, then B loads it back and keeps it leased (RAM all leased). A,
+    its own cache reset, loads its prefix from the files: a full hit, tokens identical to the
+    recompute, nothing failed."""
+    pytest.importorskip("vllm")
+    from vllm import LLM
+    from vllm_helpers import (
+        BLOCK_SIZE,
+        build_tiny_llama,
+        cached_tokens,
+        close_llm,
+        connector_of,
+        engine_kwargs,
+        generate,
+        kvray_transfer_config,
+        make_prompts,
+        token_ids,
+        worker_connector_of,
+    )
+
+    model = build_tiny_llama(tmp_path / "model")
+    ns = f"rv{uuid.uuid4().hex[:8]}"
+    disk = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "64MiB"}
+    extra = {"capacity": "1MiB", "get_timeout_s": 10, **disk}
+    kvray.start(namespace=ns, capacity="1MiB", health_check_interval_s=0.5, **disk)
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(ns, **extra)))
+    other = None
+    prompts = make_prompts(2, 200, 30, seed=7)  # 8 blocks of 64 KiB
+    theirs = make_prompts(1, 480, 30, seed=8)  # 15 blocks: RAM is 16
+    full_hit = (len(prompts[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    def counters() -> Any:
+        return connector_of(llm).scheduler.counters.add(worker_connector_of(llm).worker.counters())
+
+    try:
+        pool = _my_pool(ns)
+        recomputed = generate(llm, prompts)
+        worker_connector_of(llm).worker.flush()
+        other = _LeasingEngine.remote(model, ns, extra)
+        first = ray.get(other.generate.remote(theirs), timeout=300)
+        ray.get(other.flush.remote(), timeout=60)
+        s = _quiet(pool, MiB)
+        assert s["disk_only_blocks"] >= 8 and s["disk_skipped"] == 0, s
+        ray.get(other.hold.remote(True), timeout=60)
+        again = ray.get(other.generate.remote(theirs, reset=True), timeout=300)
+        assert again["tokens"] == first["tokens"] and again["cached"][0] == 480
+        before = _stats(pool)
+        assert before["leased_bytes"] >= MiB - 64 * 1024, before  # no A segment fits
+
+        connector_of(llm).store.sync()
+        assert llm.reset_prefix_cache()
+        was = counters()
+        loaded = generate(llm, prompts)
+        assert token_ids(loaded) == token_ids(recomputed)
+        assert cached_tokens(loaded)[0] == full_hit  # planned: says nothing of the load
+        now = counters()  # what the worker loaded (a failed block is recomputed, counted)
+        assert now.failed_blocks == was.failed_blocks
+        assert now.loaded_blocks - was.loaded_blocks == was.stored_blocks == 8  # all of A's
+        s = _stats(pool)
+        assert s["read_from_disk"] > before["read_from_disk"]
+        assert s["promote_failed"] == s["lost"] == s["disk_lost"] == 0
+        assert s["bytes"] <= MiB
+        ray.get(other.hold.remote(False), timeout=60)
+    finally:
+        if other is not None:
+            ray.get(other.close.remote(), timeout=60)
+            ray.kill(other)
+        close_llm(llm)
+        kvray.stop(ns, purge=True)
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
