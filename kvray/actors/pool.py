@@ -12,7 +12,8 @@ zero-copy views of an evicted segment keep its memory pinned until they drop the
 (:meth:`kvray.Store.get` hands out copies; :meth:`kvray.Store.fetch` views are short-lived).
 
 With ``disk_dir`` set, a second tier takes what RAM evicts and brings it back when it is read
-(:mod:`.tiering`); blocks on disk stay visible to lookups and survive restarts.
+(:mod:`.tiering`, reads in :mod:`.promote`); blocks on disk stay visible to lookups and survive
+restarts, and a read of one succeeds whatever RAM holds.
 
 Blocks are tracked in :class:`~kvray.actors.poolstate.PoolState` (numpy, ~110 bytes a block).
 Every read compares the full key, so two keys whose ids collide are never confused: the second
