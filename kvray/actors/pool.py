@@ -96,6 +96,7 @@ class BlockPool:
         self._pub.start(self._publish_interval_s)
         if self._tiering is not None:
             self._tiering.metrics = self._metrics
+            self._tiering.reads.expire = self._expire_leases
             self._tiering.start()
         # Ray drops a gauge from the Prometheus endpoint ~20 s after its last set; an idle
         # pool must keep reporting its bytes and capacity.

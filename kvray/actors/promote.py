@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +45,8 @@ __all__ = ["CHECKSUM", "DiskReads", "failure_cause"]
 
 #: The reason a block whose bytes on disk fail their checksum is not served.
 CHECKSUM = "checksum mismatch on disk"
+#: Failed promotions remembered for the readers that waited on them.
+MAX_FAILURES = 1024
 
 #: ``(key index in the request, segment id, position)`` of a block to read from its file.
 Wanted = list[tuple[int, int, int]]
@@ -62,8 +66,10 @@ class DiskReads:
         self._lock = tiering.lock
         self._room = threading.Condition(self._lock)  # reads from files given back
         self._promoting: dict[int, threading.Event] = {}
+        self._failed: OrderedDict[int, str] = OrderedDict()  # why promotions lost blocks
         self.limit = self._state.capacity  # bytes of objects served from files, outstanding
         self.outstanding = 0
+        self.expire: Callable[[], None] = lambda: None  # the pool's lease expiry (lock held)
 
     # ------------------------------------------------------------------ pins
     def pin(self, pids: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -110,7 +116,8 @@ class DiskReads:
             claim = self._claim(seg_id)
         if isinstance(claim, threading.Event):  # another reader is promoting it
             claim.wait(max(0.0, deadline - time.monotonic()))
-            return ""
+            with self._lock:
+                return self._failed.get(seg_id, "")
         if claim is None:
             return ""
         disk, nbytes, done = claim
@@ -169,6 +176,9 @@ class DiskReads:
         if error or bad:
             self._drop(seg_id, None if error else bad, error or CHECKSUM)
             self._t.unlink_disk(seg, remove="evicted" not in error)
+            self._failed[seg_id] = error or CHECKSUM  # for readers that waited on it
+            while len(self._failed) > MAX_FAILURES:
+                self._failed.popitem(last=False)
         if ref is not None and seg.live_count:
             st.enter_ram(seg_id, seg, ref)
             st.counters.promoted += seg.live_count
@@ -206,6 +216,7 @@ class DiskReads:
                 by_seg.setdefault(seg_id, []).append((i, pos))
                 need += int(st.segments[seg_id].meta.sizes[pos])
             while self.outstanding and self.outstanding + need > self.limit:
+                self.expire()  # a dead reader's leases, past their deadline
                 left = deadline - time.monotonic()
                 if left <= 0:
                     why = (
@@ -216,7 +227,7 @@ class DiskReads:
                         reply.reasons[i] = why
                     st.counters.promote_failed_no_room += len(wanted)
                     return 0, []
-                self._room.wait(left)
+                self._room.wait(min(left, 0.5))
             self.outstanding += need
             jobs = [(seg_id, st.segments[seg_id].disk, items) for seg_id, items in by_seg.items()]
         held, refs = 0, []
