@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -300,6 +301,31 @@ def _flip_block(path: Path, block: np.ndarray) -> None:
     path.write_bytes(bytes(data))
 
 
+def _scrape(ns: str) -> dict[str, float]:
+    """``ray_kvray_pool_*`` samples of namespace ``ns`` over every node's endpoint, keyed
+    ``<name without ray_kvray_pool_>/<cause label>``."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_metrics import _endpoints
+
+    out: dict[str, float] = {}
+    for url in _endpoints():
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("namespace") == ns and sample.name.startswith(
+                    "ray_kvray_pool_"
+                ):
+                    key = (
+                        f"{sample.name[len('ray_kvray_pool_') :]}/{sample.labels.get('cause', '')}"
+                    )
+                    out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def test_failed_disk_reads_name_their_cause(ray_cluster: Cluster, tmp_path: Path) -> None:
     """RAM 4 MiB of 1 MiB segments (4 blocks each). ``no_room``: a reader holds RAM and reads
     from files up to their bound; a read that cannot wait that out fails saying so, then
@@ -388,6 +414,18 @@ def test_failed_disk_reads_name_their_cause(ray_cluster: Cluster, tmp_path: Path
                 store.get([keys[i]])
         s = _stats(pool)
         assert s["disk_lost"] == 6 and s["lost"] == 0
+        # The same figures at the node's metrics endpoint, by cause (refreshed every 5 s).
+        want = {"no_room": 1.0, "corrupt": 2.0, "io": 4.0}
+        seen: dict[str, float] = {}
+
+        def exported() -> bool:
+            seen.clear()
+            seen.update(_scrape(ns))
+            return {c: seen.get(f"promote_failed_total/{c}") for c in want} == want and (
+                seen.get("blocks_read_from_disk_total/", 0) > 0
+            )
+
+        _wait_for(exported, 60, "the metrics by cause", lambda: seen)
     finally:
         if hung is not None:
             hung.close()
