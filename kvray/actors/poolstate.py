@@ -66,7 +66,14 @@ class Counters:
     leases: int = 0
     promoted: int = 0  # read back from disk into RAM
     promoted_bytes: int = 0
-    promote_failed: int = 0  # asked for on disk, not promoted (no room in RAM)
+    read_from_disk: int = 0  # served straight from a file: RAM had no unleased room
+    read_from_disk_bytes: int = 0
+    # Asked for on disk and not served (``promote_failed`` in stats() is their sum): no room
+    # (RAM all leased and the bound on reads served from disk held for the read's timeout),
+    # corrupt (checksum mismatch, invalid file) or I/O (the file could not be read).
+    promote_failed_no_room: int = 0
+    promote_failed_corrupt: int = 0
+    promote_failed_io: int = 0
     not_admitted: int = 0  # left RAM and not spilled: read fewer than disk_admit_min_hits
     spill_refused: int = 0  # left RAM and not spilled: the way to disk was full
     disk_lost: int = 0  # dropped from disk: corrupt, unreadable or foreign
@@ -243,12 +250,14 @@ class PoolState:
 
     def figures(self) -> dict[str, int]:
         """Blocks by tier and metadata bytes (iterates the segments: for stats only)."""
-        ram = spilling = disk_only = 0
+        ram = spilling = disk_only = leased = 0
         meta_bytes = self.table.nbytes
         for seg in self.segments.values():
             meta_bytes += seg.meta.meta_nbytes + seg.hits.nbytes + seg.live.nbytes
             if seg.in_ram:
                 ram += seg.live_count
+                if seg.leases:
+                    leased += seg.meta.nbytes
             elif seg.spill is not None:
                 spilling += seg.live_count
             elif seg.ref is None:
@@ -258,6 +267,7 @@ class PoolState:
             "present_blocks": len(self.table),
             "spilling_blocks": spilling,
             "disk_only_blocks": disk_only,
+            "leased_bytes": leased,  # of ``used``: segments readers hold (not evictable)
             "meta_bytes": int(meta_bytes),
         }
 

@@ -8,12 +8,8 @@
   the object store outside the RAM count: at most ``max_pending_bytes`` of it (beyond, and when
   the tier refuses or a write fails, the blocks are dropped as RAM alone would, counted in
   ``disk_skipped``). Then the segment is on disk only and its object is let go.
-- **Promote.** A lease of a block held only on disk first promotes its segment, outside the
-  pool's lock: room is made in RAM as for a put, the file is memory-mapped, every block is
-  checked against its xxh3 (a corrupt block is dropped, published as removed, and its file
-  deleted), and the bytes are ``ray.put`` as a pool-owned object. The lease then serves it like
-  any RAM segment, and clients verify checksums as for any block. A promoted segment keeps its
-  file: RAM evicting it again only lets go of the object.
+- **Read back.** A lease of a block held only on disk promotes its segment to RAM, or, when
+  RAM is all leased, serves the block straight from the verified file (:mod:`.promote`).
 - **Disk eviction.** A file the tier evicts (LRU within ``disk_capacity``) takes its blocks
   with it (published as removed), unless they are in RAM.
 - **Warm restart.** At start the tier scans its slot; surviving files are registered as
@@ -27,14 +23,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import ray
 
 from kvray.actors.poolstate import PoolState, Removed, Segment
+from kvray.actors.promote import DiskReads
 from kvray.disk import DiskSegment, DiskSettings, DiskTier, admit, fingerprint
-from kvray.errors import BlockLostError
 from kvray.meta.ids import key_ids, shard_ids
 from kvray.metrics import PoolMetrics
 
@@ -71,9 +66,10 @@ class Tiering:
         self._queue: deque[int] = deque()  # segments to hand to the tier
         self._wake = threading.Condition()
         self._spilling = 0  # bytes of segments on their way to disk
-        self._promoting: dict[int, threading.Event] = {}
         self._closed = False
         self.metrics = PoolMetrics.disabled()  # the pool's, once it has them
+        self.state, self.lock, self.publish = state, lock, publish  # for :attr:`reads`
+        self.reads = DiskReads(self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
@@ -146,7 +142,7 @@ class Tiering:
                 removed = Removed()
                 for seg_id, seg in list(self._state.segments.items()):
                     if seg.disk is not None:
-                        self._unlink_disk(seg, remove=False)  # deleted by the purge
+                        self.unlink_disk(seg, remove=False)  # deleted by the purge
                         if seg.ref is None:
                             self._state.forget_all(seg_id, seg, removed)
                             self._state.drop_if_unused(seg_id, seg)
@@ -234,7 +230,7 @@ class Tiering:
             if not seg.in_ram:
                 seg.ref = None  # readers holding it keep their own reference
             if seg.live_count == 0:
-                self._unlink_disk(seg)
+                self.unlink_disk(seg)
                 st.drop_if_unused(seg_id, seg)
 
     def _dropped(self, tags: list[int]) -> None:
@@ -276,114 +272,13 @@ class Tiering:
                     st.drop_if_unused(seg_id, seg)  # type: ignore[arg-type]
             self._publish(None, removed)
 
-    def _unlink_disk(self, seg: Segment, remove: bool = True) -> None:
+    def unlink_disk(self, seg: Segment, remove: bool = True) -> None:
         """Detach a segment from its file (under the lock), deleting the file."""
         disk, seg.disk = seg.disk, None
         if disk is not None:
             self._by_file.pop(disk.id, None)
             if remove and self.tier is not None:
                 self.tier.remove(disk)
-
-    # ------------------------------------------------------------------ promotion
-    def pin(self, pids: np.ndarray) -> list[int]:
-        """Under the lock: lease (pin) the disk-only segments holding these ids, for
-        :meth:`promote` to bring back; the caller unleases them when done."""
-        st = self._state
-        pins = []
-        for seg_id in st.segments_of(pids):
-            seg = st.segments[seg_id]
-            if seg.ref is None and seg.disk is not None:
-                seg.leases += 1
-                pins.append(seg_id)
-            elif seg.disk is not None and self.tier is not None:
-                self.tier.touch(seg.disk)
-        return pins
-
-    def promote(self, seg_ids: list[int]) -> None:
-        """Bring pinned disk-only segments back to RAM (without the pool's lock)."""
-        for seg_id in seg_ids:
-            try:
-                self._promote(seg_id)
-            except Exception:
-                logger.exception("kvray pool: promoting segment %d failed", seg_id)
-
-    def _promote(self, seg_id: int) -> None:
-        with self._lock:
-            claim = self._claim(seg_id)
-        if isinstance(claim, threading.Event):  # another reader is promoting it
-            claim.wait(self._timeout)
-            return
-        if claim is None:
-            return
-        disk, nbytes, done = claim
-        ref: Any = None
-        bad: list[int] = []
-        error = ""
-        try:
-            payload = self.tier.read(disk)  # type: ignore[union-attr]
-            bad = self.tier.verify(disk, payload)  # type: ignore[union-attr]
-            ref = ray.put(payload)
-            del payload
-        except BlockLostError as e:
-            error = e.reason
-        except Exception as e:
-            logger.exception("kvray pool: reading %s failed", disk.path)
-            error = f"{type(e).__name__}: {e}"
-        finally:
-            with self._lock:
-                self._state.reserved -= nbytes
-                del self._promoting[seg_id]
-                self._adopt(seg_id, disk, ref, bad, error)
-            done.set()
-
-    def _claim(
-        self, seg_id: int
-    ) -> tuple[DiskSegment, int, threading.Event] | threading.Event | None:
-        """Under the lock: room in RAM for a segment to promote, and the right to promote it
-        (or the promotion under way to wait for; None: nothing to do, or no room)."""
-        st = self._state
-        seg = st.segments.get(seg_id)
-        if seg is None or seg.ref is not None or seg.disk is None:
-            return None
-        waiting = self._promoting.get(seg_id)
-        if waiting is not None:
-            return waiting
-        nbytes = seg.meta.nbytes
-        removed = Removed()
-        self.metrics.evicted(st.make_room(nbytes, removed))
-        self._publish(None, removed)
-        if nbytes > st.free():  # RAM is full of leased segments: the read is a miss
-            st.counters.promote_failed += seg.live_count
-            return None
-        st.reserved += nbytes
-        done = self._promoting[seg_id] = threading.Event()
-        return seg.disk, nbytes, done
-
-    def _adopt(self, seg_id: int, disk: DiskSegment, ref: Any, bad: list[int], error: str) -> None:
-        """Under the lock: a promotion's outcome (the segment may have changed meanwhile)."""
-        st = self._state
-        seg = st.segments.get(seg_id)
-        if seg is None or seg.disk is not disk:
-            return  # its file was evicted or purged meanwhile: its blocks are gone already
-        removed = Removed()
-        if error or bad:
-            gone = np.arange(len(seg.meta)) if error else np.asarray(bad, dtype=np.int64)
-            lost = st.forget(seg_id, seg, gone, removed)
-            st.counters.disk_lost += lost
-            logger.warning(
-                "kvray pool: dropped %d block(s) of %s: %s",
-                lost,
-                disk.path,
-                error or "checksum mismatch",
-            )
-            self._unlink_disk(seg, remove="evicted" not in error)
-        if ref is not None and seg.live_count:
-            st.enter_ram(seg_id, seg, ref)
-            st.counters.promoted += seg.live_count
-            st.counters.promoted_bytes += seg.meta.nbytes
-        else:
-            st.drop_if_unused(seg_id, seg)
-        self._publish(None, removed)
 
     # ------------------------------------------------------------------ figures
     def figures(self) -> dict[str, int]:
@@ -395,7 +290,15 @@ class Tiering:
         out.update(
             promoted=c.promoted,
             promoted_bytes=c.promoted_bytes,
-            promote_failed=c.promote_failed,
+            read_from_disk=c.read_from_disk,
+            read_from_disk_bytes=c.read_from_disk_bytes,
+            read_from_disk_outstanding_bytes=self.reads.outstanding,
+            promote_failed=(
+                c.promote_failed_no_room + c.promote_failed_corrupt + c.promote_failed_io
+            ),
+            promote_failed_no_room=c.promote_failed_no_room,
+            promote_failed_corrupt=c.promote_failed_corrupt,
+            promote_failed_io=c.promote_failed_io,
             disk_not_admitted=c.not_admitted,
             disk_lost=c.disk_lost,
             spilling_bytes=self._spilling,

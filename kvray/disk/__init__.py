@@ -10,7 +10,7 @@
 - :mod:`.settings`: what a pool is told (:class:`DiskSettings`) and the files' fingerprint.
 
 The pool's side (spill on eviction, promotion on read, registration after a restart) is in
-:mod:`kvray.actors.tiering`.
+:mod:`kvray.actors.tiering` and :mod:`kvray.actors.promote` (reads).
 """
 
 from kvray.disk.files import DiskSegment

@@ -94,10 +94,12 @@ def check_select(meta: SegmentMeta, select: object, where: str) -> np.ndarray:
     return sel
 
 
-def bad_blocks(meta: SegmentMeta, payload: Payload) -> list[int]:
-    """Positions of the blocks whose xxh3 differs from ``meta.checksums``."""
+def bad_blocks(meta: SegmentMeta, payload: Payload, select: list[int] | None = None) -> list[int]:
+    """Positions (of ``select``, or all) of the blocks whose xxh3 differs from
+    ``meta.checksums``."""
     sums = meta.checksums.tolist()
-    return [i for i, s in enumerate(sums) if block_checksum(payload[i]) != s]
+    where = range(len(sums)) if select is None else select
+    return [i for i in where if block_checksum(payload[i]) != sums[i]]
 
 
 def admit(hits: np.ndarray | Sequence[int], min_hits: int) -> np.ndarray | None:

@@ -318,7 +318,7 @@ class DiskTier:
         try:
             return segfile.map_payload(seg.path, seg.meta.sizes, seg.block_nbytes)
         except FileNotFoundError:
-            raise BlockLostError(seg.meta.keys(), "evicted from the disk tier") from None
+            raise BlockLostError(seg.meta.keys(), "disk file gone (evicted or deleted)") from None
         except OSError as e:  # the disk or the process, not the file: keep it
             raise BlockLostError(seg.meta.keys(), f"disk read failed: {e}") from None
         except segfile.SegmentFileError as e:
@@ -328,13 +328,13 @@ class DiskTier:
             self.remove(seg)
             raise BlockLostError(seg.meta.keys(), f"corrupt disk file: {e}") from None
 
-    def verify(self, seg: DiskSegment, payload: Payload) -> list[int]:
-        """Positions of blocks whose xxh3 differs from the checksum they were written with.
-
-        A non-empty answer counts the file in ``disk_corrupt``; the caller drops those blocks
-        (or the whole file with :meth:`remove`).
-        """
-        bad = bad_blocks(seg.meta, payload)
+    def verify(
+        self, seg: DiskSegment, payload: Payload, select: list[int] | None = None
+    ) -> list[int]:
+        """Positions of blocks (of ``select``, or all) whose xxh3 differs from the checksum
+        they were written with. A non-empty answer counts the file in ``disk_corrupt``; the
+        caller drops those blocks (or the whole file with :meth:`remove`)."""
+        bad = bad_blocks(seg.meta, payload, select)
         if bad:
             logger.warning("kvray disk tier: %d corrupt block(s) in %s", len(bad), seg.path)
             with self._lock:

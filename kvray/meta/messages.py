@@ -68,8 +68,9 @@ class LeaseReply:
     """A pool's answer to ``lease``: where each asked-for block is, and refs to read them from.
 
     Numpy arrays aligned with the keys of the request (``seg_ids[i] == 0``: key ``i`` is not
-    held, or its id matched another key); segments named here are protected from eviction
-    until released or the lease expires.
+    served: not held, its id matched another key, or ``reasons[i]`` says why); segments named
+    here are protected from eviction until released or the lease expires. A negative id names
+    an object of blocks served straight from a disk file, held until the lease goes.
     """
 
     lease_id: int
@@ -78,6 +79,8 @@ class LeaseReply:
     nbytes: np.ndarray  # int64
     checksums: np.ndarray  # uint64
     segments: dict[int, ObjectRef] = field(default_factory=dict)
+    #: Why a held key was not served (a corrupt or unreadable file, no room), by key index.
+    reasons: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, lease_id: int, n: int) -> LeaseReply:
