@@ -72,7 +72,7 @@ def readback_figures(work: Path, ram: int) -> dict[str, Any]:
     """Hits and GB/s of each read-back phase, the pool's counters, and the overall hit rate."""
     import kvray
     from kvray.actors.join import local_node_id
-    from kvray.actors.types import RAY_NAMESPACE, pool_name
+    from kvray.meta.messages import RAY_NAMESPACE, pool_name
     from kvray.client import checksum
 
     n = 4 * ram // BLOCK

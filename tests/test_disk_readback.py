@@ -27,7 +27,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import kvray
-from kvray.actors.types import RAY_NAMESPACE, pool_name
+from kvray.meta.messages import RAY_NAMESPACE, pool_name
 from kvray.client import checksum
 from kvray.disk import fingerprint, segfile
 

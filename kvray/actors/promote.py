@@ -32,7 +32,7 @@ import numpy as np
 import ray
 
 from kvray.actors.poolstate import Removed
-from kvray.actors.types import LeaseReply
+from kvray.meta.messages import LeaseReply
 from kvray.disk import DiskSegment
 from kvray.errors import BlockLostError
 
