@@ -62,13 +62,23 @@ print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}; CUDA ava
 if cuda:
     props = torch.cuda.get_device_properties(0)
     print(f"device 0: {props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}")
-import kvray.kernels  # noqa: F401 -- the package under test, without Ray or vLLM
-from kvray.kernels.cuda_ops import cupy_available
+# kvray's own import, in a fresh interpreter (the version loop above imported whatever is
+# installed): it must load none of these, installed or not.
+import subprocess
 
-loaded = sorted(m for m in ("ray", "vllm", "pyarrow", "kvray.actors") if m in sys.modules)
-print(f"kvray.kernels imported; loaded with it: {loaded or 'none of ray, vllm, pyarrow'}")
+WATCH = ("ray", "vllm", "pyarrow", "kvray.actors", "kvray.disk", "kvray.client")
+probe = (
+    "import sys, kvray.kernels; "
+    f"print(' '.join(m for m in {WATCH!r} if m in sys.modules))"
+)
+got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+if got.returncode != 0:
+    sys.exit(f"import kvray.kernels failed:\n{got.stderr}")
+loaded = got.stdout.split()
+print(f"kvray.kernels imported; loaded by it: {loaded or 'none of ' + ', '.join(WATCH)}")
 if loaded:
     sys.exit(f"kvray.kernels pulled in {loaded}")
+from kvray.kernels.cuda_ops import cupy_available
 if cuda:
     print(f"CuPy usable (kvray.kernels.cuda_ops.cupy_available): {cupy_available()}")
     try:

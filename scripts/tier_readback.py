@@ -72,8 +72,8 @@ def readback_figures(work: Path, ram: int) -> dict[str, Any]:
     """Hits and GB/s of each read-back phase, the pool's counters, and the overall hit rate."""
     import kvray
     from kvray.actors.join import local_node_id
-    from kvray.meta.messages import RAY_NAMESPACE, pool_name
     from kvray.client import checksum
+    from kvray.meta.messages import RAY_NAMESPACE, pool_name
 
     n = 4 * ram // BLOCK
     ns = f"readback{os.getpid()}"

@@ -27,9 +27,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 import kvray
-from kvray.meta.messages import RAY_NAMESPACE, pool_name
 from kvray.client import checksum
 from kvray.disk import fingerprint, segfile
+from kvray.meta.messages import RAY_NAMESPACE, pool_name
 
 MiB = 1 << 20
 RAM = 16 * MiB

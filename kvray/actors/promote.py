@@ -32,9 +32,9 @@ import numpy as np
 import ray
 
 from kvray.actors.poolstate import Removed
-from kvray.meta.messages import LeaseReply
 from kvray.disk import DiskSegment
 from kvray.errors import BlockLostError
+from kvray.meta.messages import LeaseReply
 
 if TYPE_CHECKING:
     from kvray.actors.tiering import Tiering
