@@ -8,10 +8,11 @@ vLLM's own cache): ``off`` is the app without kvray (``kv_cache="none"``, Ray's
 with kvray and kvray's router, ``kvray-prefix`` with kvray and Ray's prefix router. For each
 repeat, configurations take turns (order alternating), same seed within a repeat; each runs
 every workload: Ray's multi-turn benchmark at ``--hit-rate`` (sessions x turns, growing inputs,
-shared system prompt) and, as many requests, single-turn prompts with no reuse (hit rate 0). Measured per run: TTFT p50/p99,
-ITL mean/p99, output tok/s (from the load generator's own results), per-turn TTFT and ITL, CPU
-seconds per request by process role (GCS, raylet, agents, Serve proxy, kvray's actors,
-EngineCore, replicas; see ``serve_probe.py``) and the GCS's RPCs per request by method.
+shared system prompt) and, as many requests, single-turn prompts with no reuse (hit rate 0).
+Measured per run: TTFT p50/p99, ITL mean/p99, output tok/s (from the load generator's own
+results), per-turn TTFT and ITL, CPU seconds per request by process role (GCS, raylet, agents,
+Serve proxy, kvray's actors, EngineCore, replicas; see ``tests/ray_probe.py``) and the GCS's
+RPCs per request by method (Ray's Prometheus counters).
 
 It starts its own simulated 2-node cluster (``ray.cluster_utils.Cluster``), one replica a node.
 
