@@ -8,10 +8,11 @@ vLLM's own cache): ``off`` is the app without kvray (``kv_cache="none"``, Ray's
 with kvray and kvray's router, ``kvray-prefix`` with kvray and Ray's prefix router. For each
 repeat, configurations take turns (order alternating), same seed within a repeat; each runs
 every workload: Ray's multi-turn benchmark at ``--hit-rate`` (sessions x turns, growing inputs,
-shared system prompt) and the same with no reuse (hit rate 0). Measured per run: TTFT p50/p99,
-ITL mean/p99, output tok/s (from the load generator's own results), per-turn TTFT and ITL, CPU
-seconds per request by process role (GCS, raylet, agents, Serve proxy, kvray's actors,
-EngineCore, replicas; see ``serve_probe.py``) and the GCS's RPCs per request by method.
+shared system prompt) and, as many requests, single-turn prompts with no reuse (hit rate 0).
+Measured per run: TTFT p50/p99, ITL mean/p99, output tok/s (from the load generator's own
+results), per-turn TTFT and ITL, CPU seconds per request by process role (GCS, raylet, agents,
+Serve proxy, kvray's actors, EngineCore, replicas; see ``tests/ray_probe.py``) and the GCS's
+RPCs per request by method (Ray's Prometheus counters).
 
 It starts its own simulated 2-node cluster (``ray.cluster_utils.Cluster``), one replica a node.
 
@@ -63,12 +64,14 @@ CONFIGS: dict[str, tuple[str, str]] = {
 def _load(
     port: int, tokenizer: str, seed: int, hit_rate: float, a: argparse.Namespace, out: Path
 ) -> dict[str, Any]:
-    """One run of Ray's multi-turn benchmark; its saved JSON result."""
+    """One run of Ray's multi-turn benchmark; its saved JSON result. Hit rate 0 (no reuse) runs
+    single-turn sessions (Ray's workload cannot be multi-turn without reuse), as many requests."""
+    turns, sessions = (a.turns, a.sessions) if hit_rate > 0 else (1, a.sessions * a.turns)
     cmd = [
         sys.executable, "-m", "ray.llm._internal.serve.benchmark",
         "-u", f"http://127.0.0.1:{port}", "-m", MODEL, "--tokenizer", tokenizer,
-        "--isl", str(a.isl), "--hit-rate", str(hit_rate), "--num-turns", str(a.turns),
-        "--osl", str(a.osl), "--num-sessions", str(a.sessions),
+        "--isl", str(a.isl), "--hit-rate", str(hit_rate), "--num-turns", str(turns),
+        "--osl", str(a.osl), "--num-sessions", str(sessions),
         "--concurrency", str(a.concurrency), "--seed", str(seed),
         "--warmup-jitter-max", "0", "--save-result", str(out),
     ]  # fmt: skip
@@ -241,7 +244,7 @@ def main() -> None:
                 serve.run(app, name=APP, route_prefix="/")
                 print(f"# repeat {r} {cfg}: app up in {time.perf_counter() - t0:.0f} s", flush=True)
                 # Untimed: first-request costs are nobody's TTFT.
-                warm = {"sessions": 2, "turns": 1, "isl": 200, "concurrency": 2}
+                warm = {"sessions": 1, "turns": 2, "isl": 200, "concurrency": 2}
                 warm_args = argparse.Namespace(**{**vars(a), **warm})
                 _load(port, model, 10_000 + r, 0.0, warm_args, work / f"warm{r}{cfg}.json")
                 for hit in hits:
