@@ -64,7 +64,7 @@ class KVRayRouter(RequestRouter):
         self._store: Any = None
         self._spaces = KeySpaceCache(namespace)
         self.decisions: Counter[str] = Counter()
-        self._metric = decision_metric()
+        self._metric = decision_metric(namespace, REASONS)
         threading.Thread(target=self._warm_up, name="kvray-router-init", daemon=True).start()
 
     # ------------------------------------------------------------ background setup

@@ -81,15 +81,21 @@ def held_blocks_by_node(
     return held or {}
 
 
-def decision_metric() -> Any:
-    """The ``kvray_router_decisions`` counter (None where Ray metrics are unavailable)."""
+def decision_metric(namespace: str, reasons: Sequence[str]) -> Any:
+    """The ``kvray_router_decisions`` counter, exported from 0 for every reason (None where
+    Ray metrics are unavailable)."""
     try:
         from ray.util.metrics import Counter
 
-        return Counter(
+        from kvray.metrics import export_zero
+
+        counter = Counter(
             "kvray_router_decisions",
             description="Requests routed by KVRayRouter, by reason (prefix, imbalanced, cold...)",
             tag_keys=("reason", "namespace"),
         )
     except Exception:
         return None
+    for reason in reasons:
+        export_zero(counter, {"reason": reason, "namespace": namespace})
+    return counter
