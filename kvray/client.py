@@ -15,6 +15,7 @@ block under one key through the same parts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from kvray.errors import BlockLostError, InvalidArgumentError, StoreUnavailableE
 from kvray.feed import Subscriber
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, PutResult, index_name
-from kvray.metrics import ClientTally
+from kvray.metrics import ClientMetrics, ClientTally
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ class Store:
             raise StoreUnavailableError(
                 f"kvray: the reconciler of namespace {config.namespace!r} did not answer: {e}"
             ) from e
-        self.tally = ClientTally(config.namespace)
+        self.tally = _ViewTally(config.namespace)
+        with contextlib.suppress(Exception):  # the figures start at 0, not at their first event
+            ClientMetrics.get().export_zero(config.namespace)
         self.io = BlockIO(config, self.tally)
         self.feed: Subscriber | None = None
         if subscribe:
@@ -82,7 +85,7 @@ class Store:
         ]
         feed = Subscriber(cfg.namespace, handles, cfg.get_timeout_s)
         feed.start()
-        self.feed = feed
+        self.feed = self.tally.feed = feed
 
     # ------------------------------------------------------------------ guards
     def _check_open(self, what: str) -> None:
@@ -345,6 +348,22 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _ViewTally(ClientTally):
+    """A store's tally: each flush (about once a second, from the data path's maintenance
+    thread) also reports the size of the store's view (``kvray_view_blocks`` / ``_bytes``)."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(namespace)
+        self.feed: Subscriber | None = None
+
+    def flush(self) -> None:
+        feed = self.feed
+        if feed is not None:
+            view = feed.view
+            self.view_blocks, self.view_bytes = len(view), view.nbytes
+        super().flush()
 
 
 def _quick_keys(keys: list[Any]) -> list[bytes]:

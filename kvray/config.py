@@ -15,7 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["MAX_BYTES", "ConfigError", "KVRayConfig", "format_bytes", "parse_bytes"]
+__all__ = [
+    "MAX_BYTES",
+    "MIN_CAPACITY",
+    "ConfigError",
+    "KVRayConfig",
+    "check_namespace",
+    "format_bytes",
+    "parse_bytes",
+]
 
 
 class ConfigError(ValueError):
@@ -61,10 +69,15 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 MAX_BYTES = 1 << 50
 
 
-def parse_bytes(value: int | float | str, field_name: str = "size") -> int:
+#: Least capacity of a pool's RAM and of its disk tier.
+MIN_CAPACITY = 1 << 20
+
+
+def parse_bytes(value: int | float | str, field_name: str = "size", *, least: int = 0) -> int:
     """Parse ``4GiB``, ``512MB``, ``1e9`` or an int into bytes (GiB = 2**30, GB = 10**9).
 
-    Infinite, NaN, negative and absurd (over 1 PiB) sizes raise :class:`ConfigError`.
+    Infinite, NaN, negative, absurd (over 1 PiB) sizes and sizes under ``least`` raise
+    :class:`ConfigError`.
     """
     if isinstance(value, bool):
         raise ConfigError(field_name, value, "expected a size such as 4GiB or a byte count")
@@ -95,7 +108,17 @@ def parse_bytes(value: int | float | str, field_name: str = "size") -> int:
         raise ConfigError(field_name, value, "must not be negative")
     if n > MAX_BYTES:
         raise ConfigError(field_name, value, f"must be at most 1 PiB ({MAX_BYTES} bytes)")
+    if n < least:
+        raise ConfigError(field_name, value, f"must be at least {_exact_size(least)}")
     return n
+
+
+def _exact_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it (``64 KiB``, ``1 MiB``)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
 
 
 def _finite_size(number: float, field_name: str, value: object) -> float:
@@ -118,15 +141,26 @@ def format_bytes(n: float) -> str:
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_namespace(value: object, field_name: str = "namespace") -> str:
+    """A kvray namespace: 1-64 letters, digits, ``_``, ``-`` or ``.``, not starting with a
+    punctuation mark (it names actors, keys' prefixes and a directory of the disk tier)."""
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(field_name, value, "use 1-64 letters, digits, '_', '-' or '.'")
+    return value
+
+
 _EVICTION_POLICIES = ("lru",)
 _LOAD_MODES = ("sync", "layerwise", "async")
-_SIZE_FIELDS = (
-    "capacity",
-    "segment_bytes",
-    "max_inflight_put_bytes",
-    "staging_bytes",
-    "disk_capacity",
-)
+#: The size fields and the least each may be (``disk_capacity``: see ``_check_disk``).
+_SIZE_FIELDS = {
+    "capacity": MIN_CAPACITY,
+    "segment_bytes": 64 << 10,
+    "max_inflight_put_bytes": 0,
+    "staging_bytes": 0,
+    "disk_capacity": 0,
+}
 #: Upper bound of ``disk_admit_min_hits`` (a higher value would admit nothing, silently).
 MAX_ADMIT_HITS = 1 << 20
 
@@ -193,22 +227,15 @@ class KVRayConfig:
     _extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in _SIZE_FIELDS:
-            object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
-        if not isinstance(self.namespace, str) or not _NAME_RE.match(self.namespace):
-            raise ConfigError(
-                "namespace", self.namespace, "use 1-64 letters, digits, '_', '-' or '.'"
-            )
+        for name, least in _SIZE_FIELDS.items():
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), name, least=least))
+        check_namespace(self.namespace)
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise ConfigError("address", self.address, "expected auto, local or HOST:PORT")
-        if self.capacity < (1 << 20):
-            raise ConfigError("capacity", self.capacity, "must be at least 1 MiB")
         if self.eviction_policy not in _EVICTION_POLICIES:
             raise ConfigError(
                 "eviction_policy", self.eviction_policy, f"choose one of {_EVICTION_POLICIES}"
             )
-        if self.segment_bytes < (64 << 10):
-            raise ConfigError("segment_bytes", self.segment_bytes, "must be at least 64 KiB")
         if self.max_inflight_put_bytes < self.segment_bytes:
             raise ConfigError(
                 "max_inflight_put_bytes",
@@ -253,7 +280,7 @@ class KVRayConfig:
             raise ConfigError("disk_dir", self.disk_dir, "expected an absolute path")
         elif "\0" in self.disk_dir:
             raise ConfigError("disk_dir", self.disk_dir, "contains a NUL byte")
-        elif self.disk_capacity < (1 << 20):
+        elif self.disk_capacity < MIN_CAPACITY:
             raise ConfigError(
                 "disk_capacity",
                 self.disk_capacity,

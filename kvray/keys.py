@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 __all__ = [
@@ -98,15 +98,3 @@ def block_hash_bytes(block_hash: object) -> bytes:
 def make_keys(prefix: bytes, block_hashes: Iterable[object]) -> list[bytes]:
     """Keys for a chain of vLLM block hashes under one namespace prefix."""
     return [prefix + block_hash_bytes(h) for h in block_hashes]
-
-
-def check_keys(keys: Sequence[object]) -> list[bytes]:
-    """Validate a key list given by a caller: non-empty bytes, no duplicates."""
-    out: list[bytes] = []
-    for k in keys:
-        if not isinstance(k, bytes) or not k:
-            raise TypeError(f"kvray keys must be non-empty bytes, got {type(k).__name__}: {k!r}")
-        out.append(k)
-    if len(set(out)) != len(out):
-        raise ValueError("kvray keys must be unique within one call")
-    return out

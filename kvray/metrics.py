@@ -2,9 +2,16 @@
 
 ``ray.util.metrics`` objects are cheap to update but must be created inside the process that
 records them, so each actor builds its own set. Tags carry the kvray namespace and node.
+
+Counters are exported from 0 as soon as their owner exists (:func:`export_zero`), not from
+their first event: a rate or an alert over a rare event (a lost block, a purge) then reads 0
+instead of "no data", and every documented series can be checked at the endpoint
+(tests/test_metrics.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from ray.util import metrics
 
@@ -22,6 +29,15 @@ def _noop(*args: object, **kwargs: object) -> None:
 
 #: Why a read of a block held on disk failed (``promote_failed_<cause>`` in a pool's stats).
 PROMOTE_FAILURE_CAUSES = ("no_room", "corrupt", "io")
+
+
+def export_zero(counter: metrics.Counter, tags: dict[str, str]) -> None:
+    """Export ``counter`` at 0 for ``tags`` before its first event. ``Counter.inc`` refuses
+    0; ``_record`` is what it calls. Best effort: without it the series starts at its first
+    event, as Ray's counters do."""
+    with contextlib.suppress(Exception):
+        counter._record(0, tags=tags)
+
 
 _LATENCY_BOUNDARIES = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
 
@@ -114,6 +130,18 @@ class PoolMetrics:
             "Blocks asked for on disk and not served, by cause (no_room, corrupt, io)",
             tag_keys=(*keys, "cause"),
         )
+        self._disk_exported = False
+        for counter in (
+            self._hits,
+            self._misses,
+            self._stored_blocks,
+            self._stored_bytes,
+            self._served_bytes,
+            self._evictions,
+            self._refused,
+            self._lost,
+        ):
+            export_zero(counter, self._tags)
 
     @staticmethod
     def disabled() -> PoolMetrics:
@@ -157,7 +185,14 @@ class PoolMetrics:
 
     def disk(self, figures: dict[str, int], last: dict[str, int]) -> None:
         """The disk tier's figures now, and the ones reported last time (counters advance by
-        the difference)."""
+        the difference). The first report exports the disk counters from 0 (a pool without a
+        disk tier exports none)."""
+        if not self._disk_exported:
+            self._disk_exported = True
+            for counter in self._disk_counters.values():
+                export_zero(counter, self._tags)
+            for cause in PROMOTE_FAILURE_CAUSES:
+                export_zero(self._promote_failed, {**self._tags, "cause": cause})
         for name, gauge in self._disk_gauges.items():
             gauge.set(figures.get(name, 0), tags=self._tags)
         for name, counter in self._disk_counters.items():
@@ -190,6 +225,7 @@ class IndexMetrics:
         self._purged = metrics.Counter(
             "kvray_index_purged_keys", "Index entries dropped with a dead pool", tag_keys=keys
         )
+        export_zero(self._purged, self._tags)
 
     @staticmethod
     def disabled() -> IndexMetrics:
@@ -273,6 +309,20 @@ class ClientMetrics:
         if cls._instance is None:
             cls._instance = ClientMetrics()
         return cls._instance
+
+    def export_zero(self, namespace: str) -> None:
+        """Export this process's counters of ``namespace`` from 0 (a new store client)."""
+        tags = {"namespace": namespace}
+        for counter in (
+            self.lookups,
+            self.lookup_hits,
+            self.lookup_misses,
+            self.tokens_loaded,
+            self.bytes_loaded,
+            self.bytes_stored,
+            self.lost_blocks,
+        ):
+            export_zero(counter, tags)
 
 
 class ClientTally:

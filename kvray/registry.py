@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ray.experimental import internal_kv
 
+from kvray.config import check_namespace
 from kvray.errors import StoreUnavailableError
 
 __all__ = ["KeySpaceInfo", "clear_key_spaces", "key_spaces", "publish_key_space"]
@@ -98,11 +99,6 @@ class KeySpaceInfo:
         )
 
 
-def _check_namespace(namespace: str) -> None:
-    if not isinstance(namespace, str) or not namespace or "/" in namespace:
-        raise ValueError(f"kvray registry: invalid namespace {namespace!r}")
-
-
 def _require_ray() -> None:
     if not internal_kv._internal_kv_initialized():
         raise StoreUnavailableError("kvray registry: Ray is not initialised in this process")
@@ -114,7 +110,7 @@ def _model_digest(model: str) -> str:
 
 def publish_key_space(namespace: str, info: KeySpaceInfo) -> None:
     """Publish (or refresh) an engine's record in ``namespace``."""
-    _check_namespace(namespace)
+    check_namespace(namespace)
     if not isinstance(info, KeySpaceInfo):
         raise TypeError(f"publish_key_space: expected a KeySpaceInfo, got {type(info).__name__}")
     _require_ray()
@@ -125,7 +121,7 @@ def publish_key_space(namespace: str, info: KeySpaceInfo) -> None:
 def key_spaces(namespace: str, model: str | None = None) -> list[KeySpaceInfo]:
     """The records published in ``namespace`` (for ``model``: its path or a served name),
     newest first."""
-    _check_namespace(namespace)
+    check_namespace(namespace)
     _require_ray()
     keys = internal_kv._internal_kv_list(f"{_PREFIX}{namespace}/", namespace=KV_NAMESPACE)
     out: list[KeySpaceInfo] = []
@@ -145,7 +141,7 @@ def key_spaces(namespace: str, model: str | None = None) -> list[KeySpaceInfo]:
 
 def clear_key_spaces(namespace: str) -> int:
     """Remove every record of ``namespace`` (e.g. after ``kvray.stop``); how many."""
-    _check_namespace(namespace)
+    check_namespace(namespace)
     _require_ray()
     keys = internal_kv._internal_kv_list(f"{_PREFIX}{namespace}/", namespace=KV_NAMESPACE)
     for key in keys:

@@ -53,8 +53,9 @@ import numpy as np
 import pyarrow as pa
 
 from kvray.actors.segment import SegmentMeta
+from kvray.blocks import checksum
 from kvray.disk import DiskTier, segfile
-from kvray.disk.payload import Payload, block_checksum
+from kvray.disk.payload import Payload
 from kvray.disk.writer import GROUP_BYTES
 
 MiB = 1 << 20
@@ -135,7 +136,7 @@ def make_segments(total: int, form: str, seed: int) -> Segments:
             np.zeros(n, np.uint16),
             np.ones(n, np.uint16),
             [payload[i].nbytes for i in range(n)],
-            [block_checksum(payload[i]) for i in range(n)],
+            [checksum(payload[i]) for i in range(n)],
         )
         segments.append((meta, payload))
         left -= meta.nbytes

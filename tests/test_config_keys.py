@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvray.config import ConfigError, KVRayConfig, format_bytes, parse_bytes
-from kvray.keys import (
-    MAX_GROUPING,
-    PREFIX_BYTES,
-    LayoutFingerprint,
-    check_keys,
-    grouped_prefix,
-    make_keys,
+from kvray.blocks import check_keys
+from kvray.config import (
+    MIN_CAPACITY,
+    ConfigError,
+    KVRayConfig,
+    check_namespace,
+    format_bytes,
+    parse_bytes,
 )
+from kvray.keys import MAX_GROUPING, PREFIX_BYTES, LayoutFingerprint, grouped_prefix, make_keys
 
 
 @pytest.mark.parametrize(
@@ -35,6 +36,21 @@ def test_parse_bytes(text: object, expected: int) -> None:
 def test_parse_bytes_rejects(bad: object) -> None:
     with pytest.raises(ConfigError, match="capacity"):
         parse_bytes(bad, "capacity")  # type: ignore[arg-type]
+
+
+def test_namespace_and_least_sizes_have_one_rule() -> None:
+    """The rules the config, the disk tier, the registry and the router all apply."""
+    assert check_namespace("a.b-c_1") == "a.b-c_1"
+    for bad in ("", "../up", "-x", "a/b", "x" * 65, 3, None):
+        with pytest.raises(ConfigError, match="namespace"):
+            check_namespace(bad)
+    assert parse_bytes("1MiB", "disk_capacity", least=MIN_CAPACITY) == MIN_CAPACITY
+    with pytest.raises(ConfigError, match=r"disk_capacity.*at least 1 MiB"):
+        parse_bytes("512KiB", "disk_capacity", least=MIN_CAPACITY)
+    with pytest.raises(ConfigError, match="at least 64 KiB"):
+        parse_bytes(1000, "segment_bytes", least=64 << 10)
+    with pytest.raises(ConfigError, match="at least 1 B"):
+        parse_bytes(0, "max_pending_bytes", least=1)
 
 
 def test_format_bytes() -> None:
@@ -70,7 +86,7 @@ def test_from_dict_converts_cli_strings() -> None:
         ({"get_timeout_s": "soon"}, "get_timeout_s", "soon"),
         ({"verify_checksums": "maybe"}, "verify_checksums", "maybe"),
         ({"load_mode": "eager"}, "load_mode", "eager"),
-        ({"segment_bytes": "1KiB"}, "segment_bytes", 1024),
+        ({"segment_bytes": "1KiB"}, "segment_bytes", "1KiB"),
         ({"capacitty": "1GiB"}, "capacitty", "1GiB"),
     ],
 )
@@ -217,3 +233,6 @@ def test_check_keys() -> None:
         check_keys(["not-bytes"])
     with pytest.raises(ValueError, match="unique"):
         check_keys([b"a", b"a"])
+    with pytest.raises(TypeError, match="sequence of bytes keys"):
+        check_keys(b"one key")
+    assert check_keys((b"a", b"b")) == [b"a", b"b"]

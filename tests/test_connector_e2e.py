@@ -215,7 +215,7 @@ def test_node_loss_between_store_and_load(
         # The loader's view shows the whole prefix as a kvray hit, held only by the lost node.
         hashes = _block_hashes(prompts[0])
         assert len(hashes) == _full_hit(prompts[0]) // BLOCK_SIZE
-        assert sched._present_blocks(hashes) == len(hashes)
+        assert sched._find_hit(hashes)[0] == len(hashes)
     finally:
         ray_cluster.remove_node(node)
     # Node C is gone, possibly before the index noticed: every request still finishes, with

@@ -490,7 +490,7 @@ def test_decode_blocks_stored_at_finish_and_events(harness_factory: Any) -> None
     external = [maybe_convert_block_hash(h) for h in hashes]  # type: ignore[arg-type]
     assert [b for e in stored for b in e.block_hashes] == external[:2]
     assert all(e.medium == "CPU" and e.block_size == BLOCK_SIZE for e in stored)
-    assert h.sconn._present_blocks(hashes) == 2
+    assert h.sconn._find_hit(hashes)[0] == 2
     # The pool drops block 1 (as after a checksum failure): the feed carries the removal.
     import ray
 

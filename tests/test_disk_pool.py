@@ -28,10 +28,10 @@ from typer.testing import CliRunner
 
 import kvray
 from kvray.actors.segment import SegmentMeta
+from kvray.blocks import checksum
 from kvray.cli import app
 from kvray.config import ConfigError, KVRayConfig
 from kvray.disk import DiskTier, fingerprint, segfile
-from kvray.disk.payload import block_checksum
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
 
@@ -276,7 +276,7 @@ def test_truncated_flipped_and_foreign_files_are_never_served(
         np.zeros(4, np.uint16),
         np.ones(4, np.uint16),
         np.full(4, BLOCK),
-        [block_checksum(payload[i]) for i in range(4)],
+        [checksum(payload[i]) for i in range(4)],
     )
     other = DiskTier(tmp_path, "other", 8 * MiB, fingerprint=fingerprint("other"))
     other.scan()

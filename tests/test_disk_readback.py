@@ -305,10 +305,10 @@ def _scrape(ns: str) -> dict[str, float]:
     """``ray_kvray_pool_*`` samples of namespace ``ns`` over every node's endpoint, keyed
     ``<name without ray_kvray_pool_>/<cause label>``."""
     from prometheus_client.parser import text_string_to_metric_families
-    from test_metrics import _endpoints
+    from ray_probe import metrics_urls
 
     out: dict[str, float] = {}
-    for url in _endpoints():
+    for url in metrics_urls():
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 text = resp.read().decode()

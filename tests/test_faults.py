@@ -60,14 +60,14 @@ def _corrupt_in_plasma(pool: Any, key: bytes, shard: int = 0) -> int:
     """Flip bytes of a stored block in the object store's shared memory (a bad DIMM, a stray
     write): the pool's own object, not a copy. Returns the segment's id."""
     lease = ray.get(pool.lease.remote([key], key_ids([key]), shard))
-    loc = lease.loc(0)
-    assert loc is not None, "the block to corrupt is not in this pool"
-    segment = ray.get(lease.segments[loc.seg_id])
-    target = segment[loc.pos]
+    seg_id, pos = int(lease.seg_ids[0]), int(lease.positions[0])
+    assert seg_id != 0, "the block to corrupt is not in this pool"
+    segment = ray.get(lease.segments[seg_id])
+    target = segment[pos]
     ctypes.memset(target.ctypes.data + 1000, 0x5A, 16)
     del segment, target
     ray.get(pool.release.remote(lease.lease_id))
-    return int(loc.seg_id)
+    return seg_id
 
 
 # ====================================================================== item 1: errors cross Ray
@@ -476,7 +476,7 @@ def test_scheduler_and_manager_containers_stay_bounded(
         stored = hashes[-4:]
         store.put(ks.block_keys(stored), np.ones((4, 256), np.uint8)).result(timeout=30)
         store.sync()
-        assert manager.lookup(stored) == 4 and sched._present_blocks(stored) == 0
+        assert manager.lookup(stored) == 4 and sched._find_hit(stored)[0] == 0
 
         # Announced blocks (KV events): a ring of MAX_ANNOUNCED (made small here to fill it).
         monkeypatch.setattr(manager_mod, "MAX_ANNOUNCED", 64)
@@ -850,8 +850,7 @@ def test_corrupt_bytes_are_recomputed_and_never_served_again(engines: Engines) -
     assert ray.get(pool.stats.remote())["lost"] == lost + 1
     lease = ray.get(pool.lease.remote(keys[2:3], key_ids(keys[2:3]), 0))
     ray.get(pool.release.remote(lease.lease_id))
-    loc = lease.loc(0)
-    assert loc is None or loc.seg_id != bad_segment, "the corrupt bytes are still served"
+    assert int(lease.seg_ids[0]) != bad_segment, "the corrupt bytes are still served"
     # The next run loads the good prefix only (the rest is not offered for a while): no error.
     with _Delta(llm) as again:
         tokens, _ = _warm(llm, prompts)

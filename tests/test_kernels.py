@@ -32,7 +32,6 @@ from kvray.kernels import (
     torch_ops,
 )
 from kvray.kernels.cuda_ops import kernel_source, launch_config, word_width
-from kvray.kernels.handles import CompletedHandle
 from kvray.kernels.layout import CopyPlan, build_copy_plan
 from kvray.kernels.torch_ops import block_runs
 
@@ -454,7 +453,7 @@ def test_kv_first_block_is_two_chunks_per_layer() -> None:
     assert plan.chunk_nbytes == 2 * N * H * D * 2
 
 
-def test_empty_and_async_on_cpu() -> None:
+def test_empty_and_round_trip_on_cpu() -> None:
     c = make_caches("hnd", torch.bfloat16)
     lay = c.describe()
     mover = BlockMover(c.layers, lay)
@@ -463,11 +462,8 @@ def test_empty_and_async_on_cpu() -> None:
     mover.gather([], empty)
     mover.scatter(np.array([], dtype=np.int64), empty)
     out = torch.empty(2, lay.block_nbytes, dtype=torch.uint8)
-    h = mover.gather_async(torch.tensor([3, 5]), out)
-    assert isinstance(h, CompletedHandle) and h.query()
-    h.wait()
-    h.wait_stream()
-    mover.scatter_async(np.array([1, 2]), out).wait()
+    mover.gather(torch.tensor([3, 5]), out)
+    mover.scatter(np.array([1, 2]), out)
     assert all(torch.equal(a, b) for a, b in zip(c.raws, expected, strict=True))
     assert mover.engine == "torch-cpu"
 
@@ -486,7 +482,6 @@ def test_bad_input_raises_value_error() -> None:
         (lambda: mover.scatter([0, 1, 2], good), "too small"),
         (lambda: mover.gather([0, NB], good), "out of range"),
         (lambda: mover.scatter([-1, 0], good), "out of range"),
-        (lambda: mover.gather_async([0, 99], good), "out of range"),
         (lambda: mover.scatter([3, 3], good), "distinct"),
         (lambda: mover.gather([0.0, 1.0], good), "ints"),
         (lambda: mover.gather(torch.tensor([0.0, 1.0]), good), "integers"),
@@ -687,36 +682,6 @@ def test_staging_pool_is_bounded_and_context_managed() -> None:
     with pool.acquire(2, timeout=5) as buf:
         assert buf.shape == (2, 128)
     assert not torch.cuda.is_available() or pool.pinned is False
-
-
-class _FakeHandle:
-    def __init__(self) -> None:
-        self.done = False
-
-    def wait(self) -> None:
-        self.done = True
-
-    def query(self) -> bool:
-        return self.done
-
-    def wait_stream(self, stream: object = None) -> None:
-        return None
-
-
-def test_staging_rows_wait_for_their_transfer() -> None:
-    pool = StagingPool(block_nbytes=32, max_blocks=2, pin_memory=False)
-    handle = _FakeHandle()
-    lease = pool.acquire(2)
-    with lease:
-        lease.release_after(handle)
-    assert lease.released and pool.in_use_blocks == 0
-    with pytest.raises(StagingPoolExhausted, match="awaiting transfers"):
-        pool.acquire(1, timeout=0.02)
-    threading.Timer(0.05, handle.wait).start()
-    with pool.acquire(2, timeout=5) as buf:
-        assert buf.shape == (2, 32)
-    with pytest.raises(RuntimeError, match="already released"):
-        lease.release_after(handle)
 
 
 def test_staging_pool_pinning_rules() -> None:

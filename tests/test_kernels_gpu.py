@@ -12,7 +12,6 @@ import torch
 from kvcanon import to_canonical
 
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
-from kvray.kernels.handles import CudaEventHandle
 
 pytestmark = [
     pytest.mark.gpu,
@@ -136,7 +135,7 @@ def test_roundtrip(engine: str, kind: str, dtype: torch.dtype, factor: int, host
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_async_ordering_against_the_compute_stream(engine: str) -> None:
+def test_ordering_against_the_compute_stream(engine: str) -> None:
     _raw, layers, hint = _caches("nhd", torch.bfloat16, 1)
     lay = describe_kv_caches(layers, block_size=N, layout_hint=hint)
     mover = BlockMover(layers, lay, engine=engine)
@@ -147,10 +146,7 @@ def test_async_ordering_against_the_compute_stream(engine: str) -> None:
         torch.cuda._sleep(50_000_000)
         for t in layers:
             t[3].fill_(1.5)
-        handle = mover.gather_async([3, 4], out)
-    assert isinstance(handle, CudaEventHandle)
-    handle.wait()
-    assert handle.query()
+        mover.gather([3, 4], out)
     canon = to_canonical(out, lay)
     assert bool((canon[0] == 1.5).all())
     # A scatter orders the compute stream after it: a read queued right after sees new data.
@@ -158,14 +154,13 @@ def test_async_ordering_against_the_compute_stream(engine: str) -> None:
     src.view(torch.int16).fill_(int(torch.tensor(2.5, dtype=torch.bfloat16).view(torch.int16)))
     with torch.cuda.stream(compute):
         torch.cuda._sleep(50_000_000)
-        h2 = mover.scatter_async([6], src)
+        mover.scatter([6], src)
         seen = layers[0][6].clone()  # queued on compute after the scatter
     compute.synchronize()
     assert bool((seen == 2.5).all())
-    h2.wait()
 
 
-def test_pinned_staging_pool_and_release_after() -> None:
+def test_pinned_staging_pool() -> None:
     _raw, layers, hint = _caches("hnd", torch.float16, 2)
     lay = describe_kv_caches(layers, block_size=2 * N, layout_hint=hint)
     mover = BlockMover(layers, lay)
@@ -174,9 +169,7 @@ def test_pinned_staging_pool_and_release_after() -> None:
     lease = pool.acquire(4)
     with lease as buf:
         assert buf.is_pinned()
-        handle = mover.gather_async([0, 1, 2, 3], buf)
-        lease.release_after(handle)
-    handle.wait()
+        mover.gather([0, 1, 2, 3], buf)
     with pool.acquire(4, timeout=5) as buf2:
         assert buf2.data_ptr() == buf.data_ptr()
 
@@ -199,8 +192,8 @@ def test_bad_input_on_cuda() -> None:
     mover = BlockMover(layers, lay)
     buf = torch.empty(2, lay.block_nbytes, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="out of range"):
-        mover.gather_async([0, NB], buf)
+        mover.gather([0, NB], buf)
     with pytest.raises(ValueError, match="too small"):
-        mover.scatter_async([0, 1, 2], buf)
+        mover.scatter([0, 1, 2], buf)
     with pytest.raises(ValueError, match="uint8"):
         mover.gather([0, 1], buf.view(torch.int16))

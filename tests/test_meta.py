@@ -7,7 +7,14 @@ import random
 import numpy as np
 import pytest
 
-from kvray.meta.holders import MAX_POOLS, PLACEMENT_BASE, HolderTable, full_masks
+from kvray.meta.holders import (
+    MAX_POOLS,
+    PLACEMENT_BASE,
+    HolderTable,
+    decode_slots,
+    full_masks,
+    split_positions,
+)
 from kvray.meta.ids import index_shard_of, key_ids, shard_ids
 from kvray.meta.idtable import IdTable
 from kvray.meta.messages import Changes, NodeInfo
@@ -197,3 +204,17 @@ def test_view_applies_records_snapshots_and_resolves_locations() -> None:
     assert len(v) == int((shard == 0).sum()) - 1
     assert v.seqs[1] == -1 and v.epochs[1] == ""
     assert MAX_POOLS < PLACEMENT_BASE
+
+
+def test_location_codes_decode_in_one_place() -> None:
+    """0: nowhere; 1..MAX_POOLS: one pool holds every shard; above: a placement tuple."""
+    split = PLACEMENT_BASE + 2
+    locs = np.array([0, 1, MAX_POOLS, PLACEMENT_BASE, split], dtype=np.uint16)
+    assert split_positions(locs).tolist() == [3, 4]
+    placements = [(5, 6), None]  # the second code is not known to the reader
+    assert decode_slots(locs, 0, placements).tolist() == [-1, 0, MAX_POOLS - 1, 5, -1]
+    assert decode_slots(locs, 1, placements).tolist() == [-1, 0, MAX_POOLS - 1, 6, -1]
+    assert decode_slots(locs, 2, placements).tolist() == [-1, 0, MAX_POOLS - 1, -1, -1]
+    assert decode_slots(np.zeros(0, dtype=np.int64), 0, []).tolist() == []
+    with pytest.raises(ValueError, match="placement"):
+        decode_slots(locs, 0, [])

@@ -192,10 +192,10 @@ def _corrupt_in_plasma(pool: Any, key: bytes) -> None:
     """Flip bytes of a stored block in the object store's shared memory, as a bad DIMM or a
     stray write would."""
     lease = ray.get(pool.lease.remote([key], key_ids([key]), 0))
-    loc = lease.loc(0)
-    assert loc is not None
-    segment = ray.get(lease.segments[loc.seg_id])
-    target = segment[loc.pos]
+    seg_id, pos = int(lease.seg_ids[0]), int(lease.positions[0])
+    assert seg_id != 0, "the pool does not hold the block"
+    segment = ray.get(lease.segments[seg_id])
+    target = segment[pos]
     ctypes.memset(target.ctypes.data + 1000, 0, 16)
     del segment, target
     ray.get(pool.release.remote(lease.lease_id))

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kvray import stores
 from kvray.config import KVRayConfig
 from kvray.errors import NotStartedError, StoreUnavailableError
+
+if TYPE_CHECKING:
+    from kvray.client import Store
 
 logger = logging.getLogger(__name__)
 
@@ -43,45 +46,20 @@ def join_cluster(config: KVRayConfig) -> None:
     ensure_ray(address)  # probes HOST:PORT first: an unreachable cluster fails in seconds
 
 
-#: One store client per configuration and process, shared by the connector halves living in
-#: it (vLLM's EngineCore hosts the scheduler and, at TP=1, the worker): one feed thread and
-#: one view instead of two (less background work next to the forward pass). Reference-counted.
-_shared: dict[KVRayConfig, tuple[Any, int]] = {}
-_shared_lock = threading.Lock()
-
-
-def open_store(config: KVRayConfig, *, subscribe: bool = True, retries: int = 3) -> Any:
+def open_store(config: KVRayConfig, *, subscribe: bool = True, retries: int = 3) -> Store:
     """The process's store client for ``config`` (joining the cluster and starting kvray in
-    the namespace if needed); give it back with :func:`close_store`. ``subscribe``: the store
-    keeps a view of the index (a scheduler does; a worker does not, unless it shares the
-    process with a scheduler)."""
-    with _shared_lock:
-        entry = _shared.get(config)
-        if entry is not None and not entry[0].closed:
-            store, refs = entry
-            if subscribe:
-                store.subscribe()
-            _shared[config] = (store, refs + 1)
-            return store
-        store = _connect(config, retries, subscribe)
-        _shared[config] = (store, 1)
-        return store
+    the namespace if needed), shared through :mod:`kvray.stores`; give it back with
+    :func:`close_store`. ``subscribe``: the store keeps a view of the index (a scheduler does;
+    a worker does not, unless it shares the process with a scheduler)."""
+    return stores.acquire(config, lambda: _connect(config, retries, subscribe), subscribe=subscribe)
 
 
-def close_store(store: Any) -> None:
+def close_store(store: Store) -> None:
     """Drop one reference to a store from :func:`open_store`; the last one closes it."""
-    with _shared_lock:
-        for config, (shared, refs) in list(_shared.items()):
-            if shared is store:
-                if refs > 1:
-                    _shared[config] = (shared, refs - 1)
-                    return
-                del _shared[config]
-                break
-    store.close()
+    stores.release(store)
 
 
-def _connect(config: KVRayConfig, retries: int, subscribe: bool) -> Any:
+def _connect(config: KVRayConfig, retries: int, subscribe: bool) -> Store:
     import kvray
 
     join_cluster(config)

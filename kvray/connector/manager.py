@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from kvray.connector.keys import EngineKeySpace
-from kvray.meta.holders import PLACEMENT_BASE
-from kvray.meta.ids import index_shard_of
+from kvray.meta.holders import decode_slots, split_positions
 from kvray.meta.idtable import IdTable
 
 if TYPE_CHECKING:
@@ -137,19 +136,16 @@ class KVRayCacheManager:
         view = self.view
         locs = view.locs(ids)
         plan = LoadPlan(locs.tolist())
-        single = locs[(locs > 0) & (locs < PLACEMENT_BASE)].astype(np.int64)
-        slots = set((single - 1).tolist())
-        split = np.flatnonzero(locs >= PLACEMENT_BASE)
-        if split.size:
-            owner = index_shard_of(ids[split], view.num_shards)
-            for j, i in enumerate(split.tolist()):
-                code = int(locs[i])
-                t = view.placements[int(owner[j])].get(code)
-                if t is None:
-                    plan.locs[i] = 0
-                    continue
-                plan.placements[code] = t
-                slots.update(t)
+        split = split_positions(locs)
+        placements = view.placements_of(ids[split], locs[split])
+        for i, t in zip(split.tolist(), placements, strict=True):
+            if t is None:
+                plan.locs[i] = 0
+            else:
+                plan.placements[plan.locs[i]] = t
+        slots = set(decode_slots(locs, 0, placements).tolist()) - {-1}
+        for t in plan.placements.values():
+            slots.update(t)
         nodes = view.nodes
         plan.pools = {s: nodes[s].pool_name for s in slots if s in nodes}
         return plan

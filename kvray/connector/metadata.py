@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from kvray.meta.holders import decode_slots, split_positions
 
 ReqId = str
 JobId = int
@@ -74,16 +77,9 @@ class KVRayConnectorMetadata(KVConnectorMetadata):
 
     def slots(self, spec: LoadSpec, shard: int) -> list[int]:
         """The pool slot holding shard ``shard`` of each block of a load (-1: unknown)."""
-        from kvray.meta.holders import MAX_POOLS
-
-        out = []
-        for loc in spec.locs:
-            if 0 < loc <= MAX_POOLS:
-                out.append(loc - 1)
-            else:
-                t = self.placements.get(loc)
-                out.append(t[shard] if t is not None and shard < len(t) else -1)
-        return out
+        locs = np.asarray(spec.locs, dtype=np.int64)
+        codes = locs[split_positions(locs)].tolist()
+        return decode_slots(locs, shard, [self.placements.get(c) for c in codes]).tolist()
 
 
 @dataclass

@@ -92,7 +92,6 @@ class KVRayConnectorScheduler:
         manager: KVRayCacheManager,
         *,
         world_size: int,
-        lora_enabled: bool = False,
     ) -> None:
         self.config = config
         self.key_space = key_space
@@ -114,7 +113,6 @@ class KVRayConnectorScheduler:
         self._quarantine: dict[bytes, float] = {}
         # Block hashes some store job is writing: other requests sharing the prefix skip them.
         self._storing: dict[bytes, JobId] = {}
-        self._lora_enabled = lora_enabled
         self.counters = TransferCounters()
         #: Scheduler-side figures (tests and stats): tokens offered as hits (of them, stored by
         #: engines of another TP size), lookups made.
@@ -123,10 +121,6 @@ class KVRayConnectorScheduler:
         self.lookups = 0
 
     # ---------------------------------------------------------------- lookups
-    def _present_blocks(self, block_hashes: list[bytes]) -> int:
-        """Longest prefix of blocks present in kvray for every shard (local view only)."""
-        return self._find_hit(block_hashes)[0]
-
     def _find_hit(self, block_hashes: list[bytes]) -> tuple[int, int]:
         """Longest prefix of blocks present in kvray with every head range this engine's ranks
         need (local view only), and the grouping it is stored in."""

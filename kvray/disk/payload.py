@@ -2,8 +2,9 @@
 
 A segment's *payload* is its bytes in one of two forms, ``payload[i]`` being block ``i`` either
 way: a 2D C-contiguous uint8 array ``[n, block_nbytes]`` (every block the same size, the common
-case) or a list of ``n`` 1D uint8 arrays (variable sizes). Also here: the block checksum, a
-digest of a segment's metadata (stored in its file) and the spill admission rule.
+case) or a list of ``n`` 1D uint8 arrays (variable sizes). Also here: a digest of a segment's
+metadata (stored in its file) and the spill admission rule. Blocks are checked with the
+client's checksum (:func:`kvray.blocks.checksum`).
 """
 
 from __future__ import annotations
@@ -14,25 +15,20 @@ import numpy as np
 import xxhash
 
 from kvray.actors.segment import SegmentMeta
+from kvray.blocks import Blocks, checksum
 
 __all__ = [
     "Payload",
     "admit",
     "bad_blocks",
-    "block_checksum",
     "check_payload",
     "check_select",
     "meta_digest",
     "payload_nbytes",
 ]
 
-Payload = np.ndarray | list[np.ndarray]
+Payload = Blocks
 """Block bytes of one segment: ``[n, block_nbytes]`` uint8, or a list of 1D uint8 arrays."""
-
-
-def block_checksum(block: np.ndarray) -> int:
-    """xxh3-64 of a block's bytes: the same value as :func:`kvray.client.checksum`."""
-    return xxhash.xxh3_64_intdigest(memoryview(block).cast("B"))
 
 
 def meta_digest(meta: SegmentMeta) -> int:
@@ -99,7 +95,7 @@ def bad_blocks(meta: SegmentMeta, payload: Payload, select: list[int] | None = N
     ``meta.checksums``."""
     sums = meta.checksums.tolist()
     where = range(len(sums)) if select is None else select
-    return [i for i in where if block_checksum(payload[i]) != sums[i]]
+    return [i for i in where if checksum(payload[i]) != sums[i]]
 
 
 def admit(hits: np.ndarray | Sequence[int], min_hits: int) -> np.ndarray | None:

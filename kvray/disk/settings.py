@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvray.config import ConfigError, KVRayConfig
+from kvray.config import KVRayConfig
 from kvray.disk import segfile
 
 __all__ = ["MAX_PENDING_BYTES", "DiskSettings", "fingerprint"]
@@ -29,20 +29,16 @@ def fingerprint(namespace: str) -> str:
 
 @dataclass(frozen=True)
 class DiskSettings:
-    """A pool's disk tier: where, how big, what it admits and how much may be in flight."""
+    """A pool's disk tier: where, how big, what it admits and how much may be in flight.
+
+    Built from a validated :class:`KVRayConfig`; :class:`~kvray.disk.tier.DiskTier` checks
+    the sizes again with the same rules (:func:`kvray.config.parse_bytes`).
+    """
 
     dir: str
     capacity: int
     admit_min_hits: int = 0
     max_pending_bytes: int = MAX_PENDING_BYTES
-
-    def __post_init__(self) -> None:
-        if self.capacity < (1 << 20):
-            raise ConfigError("disk_capacity", self.capacity, "must be at least 1 MiB")
-        if self.admit_min_hits < 0:
-            raise ConfigError("disk_admit_min_hits", self.admit_min_hits, "must be >= 0")
-        if self.max_pending_bytes <= 0:
-            raise ConfigError("max_pending_bytes", self.max_pending_bytes, "must be > 0")
 
     @classmethod
     def from_config(cls, cfg: KVRayConfig) -> DiskSettings | None:

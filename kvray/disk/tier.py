@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvray.actors.segment import SegmentMeta
-from kvray.config import ConfigError, parse_bytes
+from kvray.config import MIN_CAPACITY, ConfigError, check_namespace, parse_bytes
 from kvray.disk import segfile
 from kvray.disk.files import Counters, DiskSegment, FileIndex, scan_slot
 from kvray.disk.payload import Payload, bad_blocks, check_payload, check_select
@@ -49,8 +48,6 @@ __all__ = ["DiskTier"]
 
 logger = logging.getLogger(__name__)
 
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
 
 class DiskTier:
     """Segment files of one pool on local disk, capacity-bounded and LRU-evicted."""
@@ -66,14 +63,9 @@ class DiskTier:
         fingerprint: str = "",
         owner: str = "",
     ) -> None:
-        if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
-            raise ConfigError("namespace", namespace, "use 1-64 letters, digits, '_', '-' or '.'")
-        self.capacity = parse_bytes(capacity, "disk_capacity")
-        if self.capacity < (1 << 20):
-            raise ConfigError("disk_capacity", capacity, "must be at least 1 MiB")
-        self.max_pending_bytes = parse_bytes(max_pending_bytes, "max_pending_bytes")
-        if self.max_pending_bytes <= 0:
-            raise ConfigError("max_pending_bytes", max_pending_bytes, "must be > 0")
+        check_namespace(namespace)
+        self.capacity = parse_bytes(capacity, "disk_capacity", least=MIN_CAPACITY)
+        self.max_pending_bytes = parse_bytes(max_pending_bytes, "max_pending_bytes", least=1)
         if isinstance(max_files, bool) or not isinstance(max_files, int) or max_files < 1:
             raise ConfigError("max_files", max_files, "must be an int >= 1")
         if not isinstance(fingerprint, str):

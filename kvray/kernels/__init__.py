@@ -27,21 +27,19 @@ API used by the connector
     ``gather(block_ids, out)`` copies KV blocks into ``out`` (uint8 ``[len(block_ids),
     layout.block_nbytes]``, e.g. a staging lease); ``scatter(block_ids, src)`` the reverse.
     Block ids are the connector's (KV block units); kernel-block expansion happens inside.
-    ``gather_async`` / ``scatter_async`` return a :class:`TransferHandle` (``wait()``,
-    ``query()``, ``wait_stream(stream)``): on CUDA the copy runs on a side stream after the
-    compute stream's queued work, and a scatter makes the compute stream wait for it; on the
-    CPU they run synchronously and return a completed handle. Bad input (dtype, shape, buffer
-    too small, block id out of range, repeated ids in a scatter) raises ValueError before any
-    byte moves. On the CPU, copies of 1 MiB or more run as numpy copies in up to
-    ``torch.get_num_threads()`` (max 8) threads, which stays fast when other processes compete
-    for the cores (torch's OpenMP copies collapse then); smaller ones are single torch ops.
+    Both return when the copy is done: on CUDA it runs on a side stream after the compute
+    stream's queued work, and a scatter makes the compute stream wait for it. Bad input (dtype,
+    shape, buffer too small, block id out of range, repeated ids in a scatter) raises
+    ValueError before any byte moves. On the CPU, copies of 1 MiB or more run as numpy copies
+    in up to ``torch.get_num_threads()`` (max 8) threads, which stays fast when other processes
+    compete for the cores (torch's OpenMP copies collapse then); smaller ones are single torch
+    ops.
 
 ``StagingPool(block_nbytes, max_blocks, device="cpu", *, pin_memory=None, timeout_s=5.0)``
     Bounded, reusable staging rows (pinned on CUDA hosts). ``with pool.acquire(n) as buf:``
     yields a uint8 ``[n, block_nbytes]`` tensor and returns the rows on exit, exception or
     not; ``acquire`` waits up to ``timeout`` (default ``timeout_s``) and then raises
-    :class:`StagingPoolExhausted`. ``lease.release_after(handle)`` keeps rows out of
-    circulation until an asynchronous transfer is done.
+    :class:`StagingPoolExhausted`.
 
 Block buffer format
 -------------------
@@ -50,7 +48,6 @@ physical order (``layout.axes``), so a gather is a pure memory copy and a scatte
 bytes exactly. Buffers are only meaningful with the same ``fingerprint``.
 """
 
-from kvray.kernels.handles import CompletedHandle, CudaEventHandle, TransferHandle
 from kvray.kernels.layout import (
     LAYOUT_KINDS,
     SUPPORTED_DTYPES,
@@ -65,13 +62,10 @@ __all__ = [
     "LAYOUT_KINDS",
     "SUPPORTED_DTYPES",
     "BlockMover",
-    "CompletedHandle",
-    "CudaEventHandle",
     "KVCacheLayout",
     "StagingLease",
     "StagingPool",
     "StagingPoolExhausted",
-    "TransferHandle",
     "describe_kv_caches",
     "make_layout",
 ]

@@ -5,9 +5,8 @@ unrelated requests), picks the fastest engine for the device (torch on the CPU; 
 CuPy kernel on CUDA, torch when CuPy is missing) and, on CUDA, orders transfers against the
 compute stream:
 
-* a gather waits for the work already queued on the compute stream (the forward that wrote the
-  blocks) and returns a handle; the connector must not let vLLM overwrite those blocks (e.g.
-  ``handle_preemptions``, freeing the request) before the handle is done;
+* a gather runs on a side stream after the work already queued on the compute stream (the
+  forward that wrote the blocks) and returns once it is done;
 * a scatter waits for the compute stream too, and then makes the compute stream wait for the
   scatter, so attention enqueued afterwards reads the loaded blocks.
 """
@@ -15,13 +14,12 @@ compute stream:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvray.kernels.handles import CompletedHandle, CudaEventHandle, TransferHandle
 from kvray.kernels.layout import CopyPlan, KVCacheLayout, build_copy_plan
 from kvray.kernels.torch_ops import RowsHook, TorchMover
 
@@ -151,11 +149,11 @@ class BlockMover:
     # -- synchronous -----------------------------------------------------------------------
     def gather(self, block_ids: BlockIds, out: torch.Tensor) -> None:
         """Copy KV blocks ``block_ids`` (all layers) into ``out[i]``; returns when done."""
-        if self.device.type == "cuda":
-            self.gather_async(block_ids, out).wait()
-            return
         ids = as_block_ids(block_ids, self.layout.num_blocks, unique=False)
         dst = self._check_buffer(out, len(ids), "out")
+        if self.device.type == "cuda":
+            self._cuda_transfer(ids, dst, to_buffer=True)()
+            return
         self._torch.gather(ids, dst)
 
     def scatter(
@@ -185,45 +183,25 @@ class BlockMover:
                 raise ValueError("a scatter of a layer range is for CPU caches")
             if not 0 <= lo < hi <= self.layout.num_layers:
                 raise ValueError(f"layers must be 0 <= lo < hi <= {self.layout.num_layers}")
+        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=True)
+        srcv = self._check_buffer(src, len(ids), "src")
         if self.device.type == "cuda":
-            handle = self.scatter_async(block_ids, src)
+            wait = self._cuda_transfer(ids, srcv, to_buffer=False)
             try:
                 if on_rows is not None:
-                    on_rows(0, len(block_ids))
+                    on_rows(0, len(ids))
             finally:
-                handle.wait()
+                wait()
             return
-        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=True)
-        srcv = self._check_buffer(src, len(ids), "src")
         self._torch.scatter(ids, srcv, on_rows=on_rows, layers=layers)
-
-    # -- asynchronous ----------------------------------------------------------------------
-    def gather_async(self, block_ids: BlockIds, out: torch.Tensor) -> TransferHandle:
-        """Start a gather; on CUDA it runs on a side stream after the work already queued on
-        the current (compute) stream. The KV blocks and ``out`` must stay untouched until the
-        handle is done. On the CPU it runs now and returns a completed handle."""
-        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=False)
-        dst = self._check_buffer(out, len(ids), "out")
-        if self.device.type != "cuda":
-            self._torch.gather(ids, dst)
-            return CompletedHandle()
-        return self._cuda_transfer(ids, dst, to_buffer=True)
-
-    def scatter_async(self, block_ids: BlockIds, src: torch.Tensor) -> TransferHandle:
-        """Start a scatter; on CUDA the current (compute) stream waits for it, so attention
-        queued afterwards reads the new blocks. ``src`` must stay untouched until the handle is
-        done. On the CPU it runs now and returns a completed handle."""
-        ids = as_block_ids(block_ids, self.layout.num_blocks, unique=True)
-        srcv = self._check_buffer(src, len(ids), "src")
-        if self.device.type != "cuda":
-            self._torch.scatter(ids, srcv)
-            return CompletedHandle()
-        return self._cuda_transfer(ids, srcv, to_buffer=False)
 
     # -- CUDA ------------------------------------------------------------------------------
     def _cuda_transfer(
         self, ids: np.ndarray, buf: torch.Tensor, *, to_buffer: bool
-    ) -> TransferHandle:
+    ) -> Callable[[], None]:
+        """Enqueue a gather (``to_buffer``) or a scatter on the side stream; returns the
+        function that waits for it, which keeps the tensors the transfer uses (ids,
+        temporaries) alive until then, so the caching allocators cannot recycle them early."""
         assert self._stream is not None
         side = self._stream
         compute = torch.cuda.current_stream(self.device)
@@ -258,7 +236,12 @@ class BlockMover:
         if not to_buffer:
             # Attention queued after this call reads the scattered blocks.
             compute.wait_event(event)
-        return CudaEventHandle(event, self.device, tuple(keep))
+
+        def wait() -> None:
+            event.synchronize()
+            keep.clear()
+
+        return wait
 
     def _launch(
         self, dev_ids: torch.Tensor, host_ids: np.ndarray, buf: torch.Tensor, *, to_buffer: bool

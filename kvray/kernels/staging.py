@@ -6,9 +6,7 @@ fixed at construction, and a caller that cannot get rows waits up to a timeout a
 :class:`StagingPoolExhausted`, so a slow consumer applies back-pressure instead of growing memory.
 
 Rows come back on every path: a lease is a context manager, and its rows return when the block
-exits, exception or not. A lease can also be tied to an asynchronous transfer
-(:meth:`StagingLease.release_after`): its rows are then handed out again only once that transfer
-is complete, so a GPU copy never races a new user of the same rows.
+exits, exception or not (the transfers that use them are synchronous).
 """
 
 from __future__ import annotations
@@ -21,14 +19,9 @@ from typing import Any
 
 import torch
 
-from kvray.kernels.handles import TransferHandle
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["StagingLease", "StagingPool", "StagingPoolExhausted"]
-
-#: How often a waiting ``acquire`` re-checks leases held back by unfinished transfers.
-_PENDING_POLL_S = 0.0005
 
 
 class StagingPoolExhausted(TimeoutError):
@@ -42,28 +35,21 @@ class StagingLease:
     the arena. Do not keep references to it after the lease is released.
     """
 
-    __slots__ = ("_after", "_pool", "_released", "n", "start", "tensor")
+    __slots__ = ("_pool", "_released", "n", "start", "tensor")
 
     def __init__(self, pool: StagingPool, start: int, n: int, tensor: torch.Tensor) -> None:
         self._pool = pool
         self.start = start
         self.n = n
         self.tensor = tensor
-        self._after: TransferHandle | None = None
         self._released = False
-
-    def release_after(self, handle: TransferHandle) -> None:
-        """Hold the rows back until ``handle`` is done (even after the lease is released)."""
-        if self._released:
-            raise RuntimeError("release_after() on a lease that was already released")
-        self._after = handle
 
     def release(self) -> None:
         """Give the rows back (idempotent)."""
         if self._released:
             return
         self._released = True
-        self._pool._give_back(self.start, self.n, self._after)
+        self._pool._give_back(self.start, self.n)
 
     @property
     def released(self) -> bool:
@@ -128,8 +114,6 @@ class StagingPool:
         self._cond = threading.Condition()
         #: Free row ranges ``(start, length)``, sorted by start, never adjacent (merged).
         self._free: list[tuple[int, int]] = [(0, max_blocks)]
-        #: Released ranges still used by a transfer: ``(start, length, handle)``.
-        self._pending: list[tuple[int, int, TransferHandle]] = []
         self._in_use = 0
         logger.debug(
             "staging pool: %d x %d B on %s (pinned=%s)",
@@ -146,7 +130,7 @@ class StagingPool:
 
     @property
     def free_blocks(self) -> int:
-        """Rows free right now (not counting rows held back by unfinished transfers)."""
+        """Rows free right now."""
         with self._cond:
             return sum(length for _, length in self._free)
 
@@ -173,7 +157,6 @@ class StagingPool:
         deadline = time.monotonic() + max(wait_s, 0.0)
         with self._cond:
             while True:
-                self._reclaim_locked()
                 start = self._take_locked(n)
                 if start is not None:
                     self._in_use += n
@@ -182,10 +165,9 @@ class StagingPool:
                 if remaining <= 0:
                     raise StagingPoolExhausted(
                         f"no {n} contiguous free rows in the staging pool after {wait_s:.3g} s "
-                        f"({self._in_use} of {self.max_blocks} leased, "
-                        f"{len(self._pending)} range(s) awaiting transfers)"
+                        f"({self._in_use} of {self.max_blocks} leased)"
                     )
-                self._cond.wait(min(remaining, _PENDING_POLL_S) if self._pending else remaining)
+                self._cond.wait(remaining)
 
     def _take_locked(self, n: int) -> int | None:
         for i, (start, length) in enumerate(self._free):
@@ -215,26 +197,12 @@ class StagingPool:
             free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
             del free[i]
 
-    def _reclaim_locked(self) -> None:
-        if not self._pending:
-            return
-        still: list[tuple[int, int, TransferHandle]] = []
-        for start, n, handle in self._pending:
-            if handle.query():
-                self._put_locked(start, n)
-            else:
-                still.append((start, n, handle))
-        self._pending = still
-
-    def _give_back(self, start: int, n: int, after: TransferHandle | None) -> None:
+    def _give_back(self, start: int, n: int) -> None:
         if n == 0:
             return
         with self._cond:
             self._in_use -= n
-            if after is not None and not after.query():
-                self._pending.append((start, n, after))
-            else:
-                self._put_locked(start, n)
+            self._put_locked(start, n)
             self._cond.notify_all()
 
     def __repr__(self) -> str:

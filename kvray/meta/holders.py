@@ -16,12 +16,21 @@ mutation returns the blocks whose location code changed (the change feed's recor
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvray.meta.idtable import IdTable
 
-__all__ = ["MAX_POOLS", "PLACEMENT_BASE", "HolderTable", "Placements", "full_masks"]
+__all__ = [
+    "MAX_POOLS",
+    "PLACEMENT_BASE",
+    "HolderTable",
+    "Placements",
+    "decode_slots",
+    "full_masks",
+    "split_positions",
+]
 
 #: Pool slots are 0 .. MAX_POOLS - 1.
 MAX_POOLS = 4096
@@ -34,6 +43,29 @@ _NO_SLOT = np.uint16(0xFFFF)
 _MULTI = np.uint16(0xFFFE)
 _ONE = np.uint64(1)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def split_positions(locs: np.ndarray) -> np.ndarray:
+    """Positions of the location codes that name a placement (blocks split across pools)."""
+    return np.flatnonzero(locs >= PLACEMENT_BASE)
+
+
+def decode_slots(
+    locs: np.ndarray, shard: int, placements: Sequence[tuple[int, ...] | None]
+) -> np.ndarray:
+    """The pool slot holding shard ``shard`` of each block, from its location code: ``code -
+    1`` for a block one pool holds whole; for the ``j``-th code naming a placement (see
+    :func:`split_positions`), ``placements[j][shard]`` (its tuple, None where the reader does
+    not know it); -1 for code 0, an unknown placement or a shard the placement lacks."""
+    codes = np.asarray(locs).astype(np.int64)
+    out = np.where(codes < PLACEMENT_BASE, codes - 1, -1)  # code 0 -> -1
+    split = split_positions(codes)
+    if len(placements) != split.size:
+        raise ValueError(f"{split.size} placement codes, {len(placements)} placements given")
+    for i, t in zip(split.tolist(), placements, strict=True):
+        if t is not None and shard < len(t):
+            out[i] = t[shard]
+    return out
 
 
 def full_masks(nshards: np.ndarray) -> np.ndarray:

@@ -53,16 +53,6 @@ class PutResult:
         )
 
 
-@dataclass(frozen=True)
-class BlockLoc:
-    """Where one leased block lives: item ``pos`` of segment object ``seg_id``."""
-
-    seg_id: int
-    pos: int
-    nbytes: int
-    checksum: int
-
-
 @dataclass
 class LeaseReply:
     """A pool's answer to ``lease``: where each asked-for block is, and refs to read them from.
@@ -90,13 +80,6 @@ class LeaseReply:
     @property
     def num_found(self) -> int:
         return int(np.count_nonzero(self.seg_ids))
-
-    def loc(self, i: int) -> BlockLoc | None:
-        """Where key ``i`` of the request is (None when the pool does not hold it)."""
-        seg = int(self.seg_ids[i])
-        if seg == 0:
-            return None
-        return BlockLoc(seg, int(self.positions[i]), int(self.nbytes[i]), int(self.checksums[i]))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvray.meta.holders import MAX_POOLS
+from kvray.meta.holders import decode_slots, split_positions
 from kvray.meta.ids import index_shard_of
 from kvray.meta.idtable import IdTable
 from kvray.meta.messages import Changes, NodeInfo
@@ -124,15 +124,16 @@ class LocalView:
 
     def slot_of(self, ids: np.ndarray, locs: np.ndarray, shard: int) -> np.ndarray:
         """The pool slot holding shard ``shard`` of each block (-1: unknown)."""
-        out = locs.astype(np.int64) - 1
-        out[locs == 0] = -1
-        split = np.flatnonzero(locs > MAX_POOLS)
-        if split.size:
-            owner = index_shard_of(ids[split], self.num_shards)
-            for j, i in enumerate(split.tolist()):
-                t = self.placements[int(owner[j])].get(int(locs[i]))
-                out[i] = t[shard] if t is not None and shard < len(t) else -1
-        return out
+        split = split_positions(locs)
+        return decode_slots(locs, shard, self.placements_of(ids[split], locs[split]))
+
+    def placements_of(self, ids: np.ndarray, codes: np.ndarray) -> list[tuple[int, ...] | None]:
+        """The pool slot of each shard for blocks ``ids`` at placement codes ``codes`` (None:
+        not known here). Codes are interned per index shard: each block's owner resolves it."""
+        if not ids.size:
+            return []
+        owner = index_shard_of(ids, self.num_shards).tolist()
+        return [self.placements[o].get(c) for o, c in zip(owner, codes.tolist(), strict=True)]
 
     def pool_names(self) -> dict[int, str]:
         return {slot: n.pool_name for slot, n in self.nodes.items()}

@@ -23,7 +23,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvray.config import ConfigError
+from kvray.config import ConfigError, check_namespace
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of, token_ids_of
 from kvray.serving.tokenize import EngineTokenizer
 from kvray.serving.view import KeySpaceCache, decision_metric, held_blocks_by_node, shared_store
@@ -49,8 +49,7 @@ class KVRayRouter(RequestRouter):
         """``engine_kwargs``: the engine's arguments (``model`` included) for the pre-routing
         tokenizer of text and chat prompts; without them only token-id prompts are routed by
         prefix."""
-        if not isinstance(namespace, str) or not namespace:
-            raise ConfigError("namespace", namespace, "KVRayRouter needs a kvray namespace")
+        check_namespace(namespace)
         for name, value, low in (
             ("imbalanced_threshold", imbalanced_threshold, 0),
             ("min_blocks", min_blocks, 1),
@@ -65,7 +64,7 @@ class KVRayRouter(RequestRouter):
         self._store: Any = None
         self._spaces = KeySpaceCache(namespace)
         self.decisions: Counter[str] = Counter()
-        self._metric = decision_metric()
+        self._metric = decision_metric(namespace, REASONS)
         threading.Thread(target=self._warm_up, name="kvray-router-init", daemon=True).start()
 
     # ------------------------------------------------------------ background setup

@@ -1,8 +1,8 @@
 """kvray's view for request routers: which node holds how much of a prompt's prefix.
 
 Lives apart from :mod:`kvray.serving.router` because Ray Serve ships a router's module by
-value (cloudpickle) to every process that routes: process-wide state (the shared kvray client,
-its lock, the key-space cache) must be imported there, not pickled.
+value (cloudpickle) to every process that routes: process-wide state (the shared kvray client
+of :mod:`kvray.stores`, the key-space cache) must be imported there, not pickled.
 """
 
 from __future__ import annotations
@@ -11,10 +11,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvray import stores
+from kvray.config import KVRayConfig
 from kvray.registry import key_spaces
 from kvray.serving.prompts import BlockHasher
+
+if TYPE_CHECKING:
+    from kvray.client import Store
 
 __all__ = ["KeySpaceCache", "decision_metric", "held_blocks_by_node", "shared_store"]
 
@@ -23,20 +28,14 @@ KEY_SPACE_TTL_S = 5.0
 #: Models whose key space a cache remembers (least recently used beyond).
 MAX_MODELS = 64
 
-_stores: dict[str, Any] = {}
-_stores_lock = threading.Lock()
 
-
-def shared_store(namespace: str) -> Any:
-    """One kvray client per namespace and process, shared by every router in it (its feed
-    thread keeps the local view fresh for the process' life)."""
+def shared_store(namespace: str) -> Store:
+    """The process's kvray client of ``namespace`` (:mod:`kvray.stores`), shared by every
+    router in it; routers keep it for the process' life (its feed thread keeps the local view
+    fresh)."""
     import kvray
 
-    with _stores_lock:
-        store = _stores.get(namespace)
-        if store is None or store.closed:
-            store = _stores[namespace] = kvray.connect(namespace)
-        return store
+    return stores.acquire(KVRayConfig(namespace=namespace), lambda: kvray.connect(namespace))
 
 
 class KeySpaceCache:
@@ -82,15 +81,21 @@ def held_blocks_by_node(
     return held or {}
 
 
-def decision_metric() -> Any:
-    """The ``kvray_router_decisions`` counter (None where Ray metrics are unavailable)."""
+def decision_metric(namespace: str, reasons: Sequence[str]) -> Any:
+    """The ``kvray_router_decisions`` counter, exported from 0 for every reason (None where
+    Ray metrics are unavailable)."""
     try:
         from ray.util.metrics import Counter
 
-        return Counter(
+        from kvray.metrics import export_zero
+
+        counter = Counter(
             "kvray_router_decisions",
             description="Requests routed by KVRayRouter, by reason (prefix, imbalanced, cold...)",
             tag_keys=("reason", "namespace"),
         )
     except Exception:
         return None
+    for reason in reasons:
+        export_zero(counter, {"reason": reason, "namespace": namespace})
+    return counter
