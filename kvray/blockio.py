@@ -165,7 +165,7 @@ class BlockIO:
                     logger.warning("kvray put: segment of %d blocks failed: %s", n, e)
                     r = PutResult(0, 0, n)
                 result = result + r
-            self.tally.bytes_stored += nbytes
+            self.tally.add(bytes_stored=nbytes)
             self.tally.observe("store_latencies", time.perf_counter() - t0)
             return result
         finally:

@@ -102,11 +102,7 @@ class Store:
         keys = check_keys(keys) if not isinstance(keys, list) else _quick_keys(keys)
         view = self._view("lookup")
         n = view.lookup(key_ids(keys)) if keys else 0
-        tally = self.tally
-        tally.lookups += 1
-        tally.hit_blocks += n
-        tally.miss_blocks += len(keys) - n
-        tally.observe("latencies", time.perf_counter() - t0)
+        self.tally.looked_up(n, len(keys) - n, time.perf_counter() - t0)
         return n
 
     def contains(self, key: bytes) -> bool:
@@ -184,13 +180,13 @@ class Store:
             for i in bad:
                 lost[i] = "checksum mismatch"
             if lost:
-                self.tally.lost += len(lost)
+                self.tally.add(lost=len(lost))
                 reasons = sorted(set(lost.values()))
                 raise BlockLostError([keys[i] for i in sorted(lost)], "; ".join(reasons))
             out = [got[i].array.copy() for i in range(len(keys))]
         finally:
             self.io.release(held)
-        self.tally.bytes_loaded += sum(a.nbytes for a in out)
+        self.tally.add(bytes_loaded=sum(a.nbytes for a in out))
         self.tally.observe("load_latencies", time.perf_counter() - t0)
         return out
 
@@ -230,7 +226,7 @@ class Store:
         )
         n = next((i for i in range(len(keys)) if i not in got), len(keys))
         reason = "" if n == len(keys) else lost.get(n, "not read")
-        self.tally.lost += len(lost)
+        self.tally.add(lost=len(lost))
         self.tally.observe("load_latencies", time.perf_counter() - t0)
         return Fetched(list(keys[:n]), reason, [got[i] for i in range(n)], shard, pools)
 
@@ -245,8 +241,8 @@ class Store:
         got = dict(enumerate(fetched.reads))
         bad = self._corrupt(keys, ids, got, fetched.shard, fetched.pools, sums)
         n = min(bad) if bad else len(keys)
-        self.tally.lost += len(bad)
-        self.tally.bytes_loaded += sum(a.nbytes for a in fetched.arrays[:n])
+        self.tally.add(lost=len(bad))
+        self.tally.add(bytes_loaded=sum(a.nbytes for a in fetched.arrays[:n]))
         return n
 
     def io_pools(self) -> dict[int, str]:
@@ -302,7 +298,7 @@ class Store:
             bad = self._corrupt(keys, ids, got, 0, self.io_pools())
             lost.update(dict.fromkeys(bad, "checksum mismatch"))
             if lost:
-                self.tally.lost += len(lost)
+                self.tally.add(lost=len(lost))
                 raise BlockLostError(
                     [keys[i] for i in sorted(lost)], "; ".join(sorted(set(lost.values())))
                 )
