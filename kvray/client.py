@@ -87,7 +87,8 @@ class Store:
     # ------------------------------------------------------------------ guards
     def _check_open(self, what: str) -> None:
         if self.closed:
-            why = self.feed.error if self.feed is not None and self.feed.stopped else "closed"
+            feed = self.feed
+            why = feed.error if feed is not None and (feed.stopped or feed.dead) else "closed"
             raise StoreUnavailableError(f"kvray: {what} on a store that is {why}")
 
     def _view(self, what: str) -> Any:
@@ -326,8 +327,14 @@ class Store:
 
     @property
     def closed(self) -> bool:
-        """True once closed, or once kvray was stopped in the namespace."""
+        """True once closed, once kvray was stopped in the namespace, or once the feed thread
+        died for good (its view is empty: lookups miss)."""
         return self.io.closed or (self.feed is not None and self.feed.closed)
+
+    @property
+    def thread_deaths(self) -> int:
+        """Deaths of this store's background threads (each restarted or closing the store)."""
+        return self.io.thread_deaths + (self.feed.thread_deaths if self.feed is not None else 0)
 
     def close(self) -> None:
         """Stop the feed, wait for puts in flight, return leases (a process can exit cleanly)."""
