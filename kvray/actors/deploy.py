@@ -192,7 +192,9 @@ class Reconciler:
                 continue
             node_id = entry["name"][len(prefix) :]
             try:
-                handle = ray.get_actor(entry["name"], namespace=RAY_NAMESPACE)
+                handle = await asyncio.to_thread(  # a GCS call: off the event loop
+                    ray.get_actor, entry["name"], namespace=RAY_NAMESPACE
+                )
                 slot, incarnation, versions = await asyncio.wait_for(handle.ping.remote(), timeout)
             except Exception:
                 continue
