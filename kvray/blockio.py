@@ -10,7 +10,11 @@
 - Leases of zero-copy reads go back in batches, once a second, from a maintenance thread that
   also flushes the hot-path tallies to Ray metrics; a copying read (``Store.get``) gives its
   leases back as soon as it has copied (``hold`` and :meth:`BlockIO.release`), so a pool's RAM is
-  never full of segments nobody reads any more.
+  never full of segments nobody reads any more. The thread is supervised: restarted should it
+  raise, and past :data:`RESTARTS` in a row it closes the :class:`BlockIO` (puts are refused,
+  leases expire on their own); deaths are counted (``thread_deaths``).
+- Pool handles come from one :class:`~kvray.handles.HandleCache`: a handle whose actor died is
+  dropped and looked up by name again at the next use.
 
 Both :class:`kvray.Store` and the connector's worker side use it.
 """
@@ -32,8 +36,10 @@ from kvray.actors.join import local_node_id
 from kvray.blocks import Blocks, Read, checksums
 from kvray.config import KVRayConfig
 from kvray.errors import InvalidArgumentError, StoreUnavailableError
-from kvray.meta.messages import RAY_NAMESPACE, LeaseReply, PutResult, pool_name
+from kvray.handles import HandleCache
+from kvray.meta.messages import LeaseReply, PutResult, pool_name
 from kvray.metrics import ClientTally
+from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,8 @@ __all__ = ["BlockIO"]
 RELEASE_INTERVAL_S = 1.0
 #: Finished leases a pool's batch may hold before it is sent at once.
 MAX_RELEASE_BATCH = 256
+#: Restarts in a row of the maintenance thread before the BlockIO closes.
+RESTARTS = 3
 
 
 class BlockIO:
@@ -52,7 +60,7 @@ class BlockIO:
         self.config = config
         self.node_id = local_node_id()
         self.tally = tally or ClientTally(config.namespace)
-        self._handles: dict[str, Any] = {}
+        self._handles = HandleCache()
         self._closed = threading.Event()
         self._inflight = 0
         self._inflight_lock = threading.Lock()
@@ -60,19 +68,30 @@ class BlockIO:
         self._puts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvray-put")
         self._release_cv = threading.Condition()
         self._releases: dict[str, list[tuple[int, int]]] = {}  # pool name -> (lease, bytes)
-        self._maint = threading.Thread(target=self._maintain, name="kvray-io", daemon=True)
-        self._maint.start()
+        self._maint = SupervisedThread(
+            self._maintain,
+            "kvray-io",
+            f"the data path of namespace {config.namespace!r}",
+            stop=self._closed,
+            restarts=RESTARTS,
+            on_death=lambda _: self.close(),
+        ).start()
 
     # ------------------------------------------------------------------ pools
     def handle(self, name: str) -> Any:
+        """The pool's handle (cached; may ask the GCS: never call it under a lock)."""
         h = self._handles.get(name)
         if h is None:
-            try:
-                h = ray.get_actor(name, namespace=RAY_NAMESPACE)
-            except ValueError:
-                raise StoreUnavailableError(f"kvray: pool {name} is not running") from None
-            self._handles[name] = h
+            raise StoreUnavailableError(f"kvray: pool {name} is not running")
         return h
+
+    def failed(self, name: str, error: BaseException) -> None:
+        """A call to pool ``name`` raised ``error``: forget its handle if the pool is gone."""
+        self._handles.failed(name, error)
+
+    @property
+    def thread_deaths(self) -> int:
+        return self._maint.deaths
 
     @property
     def local_pool(self) -> str:
@@ -162,10 +181,11 @@ class BlockIO:
                 try:
                     r: PutResult = ray.get(ref, timeout=self.config.put_timeout_s)
                 except Exception as e:
+                    self.failed(pool, e)
                     logger.warning("kvray put: segment of %d blocks failed: %s", n, e)
                     r = PutResult(0, 0, n)
                 result = result + r
-            self.tally.bytes_stored += nbytes
+            self.tally.add(bytes_stored=nbytes)
             self.tally.observe("store_latencies", time.perf_counter() - t0)
             return result
         finally:
@@ -224,6 +244,7 @@ class BlockIO:
             try:
                 replies[slot] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as e:
+                self.failed(pools[slot], e)
                 lost.update(dict.fromkeys(by_slot[slot], f"pool failed ({type(e).__name__})"))
         served: dict[int, int] = {}
         try:
@@ -336,7 +357,6 @@ class BlockIO:
         self.flush_releases()
         with self._release_cv:
             self._release_cv.notify_all()
-        if self._maint is not threading.current_thread():
-            self._maint.join(timeout=5)
+        self._maint.join(timeout=5)
         with contextlib.suppress(Exception):
             self.tally.flush()

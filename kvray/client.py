@@ -90,7 +90,8 @@ class Store:
     # ------------------------------------------------------------------ guards
     def _check_open(self, what: str) -> None:
         if self.closed:
-            why = self.feed.error if self.feed is not None and self.feed.stopped else "closed"
+            feed = self.feed
+            why = feed.error if feed is not None and (feed.stopped or feed.dead) else "closed"
             raise StoreUnavailableError(f"kvray: {what} on a store that is {why}")
 
     def _view(self, what: str) -> Any:
@@ -105,11 +106,7 @@ class Store:
         keys = check_keys(keys) if not isinstance(keys, list) else _quick_keys(keys)
         view = self._view("lookup")
         n = view.lookup(key_ids(keys)) if keys else 0
-        tally = self.tally
-        tally.lookups += 1
-        tally.hit_blocks += n
-        tally.miss_blocks += len(keys) - n
-        tally.observe("latencies", time.perf_counter() - t0)
+        self.tally.looked_up(n, len(keys) - n, time.perf_counter() - t0)
         return n
 
     def contains(self, key: bytes) -> bool:
@@ -187,13 +184,13 @@ class Store:
             for i in bad:
                 lost[i] = "checksum mismatch"
             if lost:
-                self.tally.lost += len(lost)
+                self.tally.add(lost=len(lost))
                 reasons = sorted(set(lost.values()))
                 raise BlockLostError([keys[i] for i in sorted(lost)], "; ".join(reasons))
             out = [got[i].array.copy() for i in range(len(keys))]
         finally:
             self.io.release(held)
-        self.tally.bytes_loaded += sum(a.nbytes for a in out)
+        self.tally.add(bytes_loaded=sum(a.nbytes for a in out))
         self.tally.observe("load_latencies", time.perf_counter() - t0)
         return out
 
@@ -233,7 +230,7 @@ class Store:
         )
         n = next((i for i in range(len(keys)) if i not in got), len(keys))
         reason = "" if n == len(keys) else lost.get(n, "not read")
-        self.tally.lost += len(lost)
+        self.tally.add(lost=len(lost))
         self.tally.observe("load_latencies", time.perf_counter() - t0)
         return Fetched(list(keys[:n]), reason, [got[i] for i in range(n)], shard, pools)
 
@@ -248,8 +245,8 @@ class Store:
         got = dict(enumerate(fetched.reads))
         bad = self._corrupt(keys, ids, got, fetched.shard, fetched.pools, sums)
         n = min(bad) if bad else len(keys)
-        self.tally.lost += len(bad)
-        self.tally.bytes_loaded += sum(a.nbytes for a in fetched.arrays[:n])
+        self.tally.add(lost=len(bad))
+        self.tally.add(bytes_loaded=sum(a.nbytes for a in fetched.arrays[:n]))
         return n
 
     def io_pools(self) -> dict[int, str]:
@@ -305,7 +302,7 @@ class Store:
             bad = self._corrupt(keys, ids, got, 0, self.io_pools())
             lost.update(dict.fromkeys(bad, "checksum mismatch"))
             if lost:
-                self.tally.lost += len(lost)
+                self.tally.add(lost=len(lost))
                 raise BlockLostError(
                     [keys[i] for i in sorted(lost)], "; ".join(sorted(set(lost.values())))
                 )
@@ -333,8 +330,14 @@ class Store:
 
     @property
     def closed(self) -> bool:
-        """True once closed, or once kvray was stopped in the namespace."""
+        """True once closed, once kvray was stopped in the namespace, or once the feed thread
+        died for good (its view is empty: lookups miss)."""
         return self.io.closed or (self.feed is not None and self.feed.closed)
+
+    @property
+    def thread_deaths(self) -> int:
+        """Deaths of this store's background threads (each restarted or closing the store)."""
+        return self.io.thread_deaths + (self.feed.thread_deaths if self.feed is not None else 0)
 
     def close(self) -> None:
         """Stop the feed, wait for puts in flight, return leases (a process can exit cleanly)."""

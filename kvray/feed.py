@@ -6,13 +6,20 @@ the thread keeps one long poll in flight per shard and applies whichever answers
 
 Failures: a shard that is gone for good (``kvray.stop``, or killed) or keeps failing has its part
 of the view cleared at once, so lookups stop reporting blocks nobody may hold, and the thread
-looks the shard up again by name with backoff (kvray may be started again); each transition is
-logged once. A shard that answers ``stopped`` ends the subscription.
+looks the shard up again by name with backoff (kvray may be started again; one
+:class:`~kvray.handles.HandleCache`); each transition is logged once. A shard that answers
+``stopped`` ends the subscription.
+
+The thread itself is supervised (:class:`~kvray.threads.SupervisedThread`): should its loop
+raise, the whole view is cleared first (lookups miss, never serve what the dead loop last saw)
+and the loop restarts from fresh snapshots, up to :data:`RESTARTS` times in a row with backoff.
+Past that the feed is dead: the view stays empty, :attr:`Subscriber.closed` is set (so is
+``Store.closed``), lookups miss and ``sync`` raises, naming the error. Deaths are counted
+(:attr:`Subscriber.thread_deaths`, ``thread_deaths`` in ``Store.stats()["client"]``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -21,9 +28,11 @@ from typing import Any
 import ray
 
 from kvray.errors import StoreUnavailableError
+from kvray.handles import HandleCache
 from kvray.meta.idtable import warm_up
-from kvray.meta.messages import RAY_NAMESPACE, Changes, index_name
+from kvray.meta.messages import Changes, index_name
 from kvray.meta.view import LocalView
+from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +46,14 @@ POLL_WAIT_S = 1.0
 POLL_MIN_INTERVAL_S = 0.01
 #: Consecutive failures of one shard before its part of the view is cleared.
 CLEAR_AFTER_FAILURES = 3
+#: Restarts in a row of a feed thread whose loop raised before the feed is declared dead.
+RESTARTS = 3
 
 
 class _Shard:
-    def __init__(self, index: int, handle: Any) -> None:
+    def __init__(self, index: int, name: str) -> None:
         self.index = index
-        self.handle = handle
+        self.name = name
         self.failures = 0
         self.retry_at = 0.0
         self.next_poll = 0.0
@@ -60,41 +71,84 @@ class Subscriber:
     ) -> None:
         self.namespace = namespace
         self.view = LocalView(len(handles))
-        self._shards = [_Shard(i, h) for i, h in enumerate(handles)]
+        self._shards = [_Shard(i, index_name(namespace, i)) for i in range(len(handles))]
+        self._handles = HandleCache()
+        for s, h in zip(self._shards, handles, strict=True):
+            self._handles.put(s.name, h)
         self._timeout = get_timeout_s
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self.stopped = False
+        #: The loop died more than :data:`RESTARTS` times in a row: the view stays empty.
+        self.dead = False
         self.error: str | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = SupervisedThread(
+            self._run,
+            "kvray-feed",
+            f"the feed of namespace {namespace!r}",
+            stop=self._closed,
+            restarts=RESTARTS,
+            backoff_s=0.5,
+            on_restart=self._restarting,
+            on_death=self._died,
+        )
 
     def start(self) -> None:
         """Take a first snapshot of every shard (so lookups work at once), then subscribe."""
         warm_up()  # numba's import and kernel loads now, not in the first request's lookup
-        refs = [s.handle.changes.remote(self.view.epochs[s.index], -1, 0.0) for s in self._shards]
+        refs = [
+            self._handle(s).changes.remote(self.view.epochs[s.index], -1, 0.0) for s in self._shards
+        ]
         snapshots: list[Changes] = ray.get(refs, timeout=self._timeout)
         if any(ch.stopped for ch in snapshots):
             raise StoreUnavailableError(f"kvray: namespace {self.namespace!r} is being stopped")
         with self._cv:
             self.view.load(snapshots)
-        self._thread = threading.Thread(target=self._run, name="kvray-feed", daemon=True)
         self._thread.start()
 
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
 
+    @property
+    def thread_deaths(self) -> int:
+        return self._thread.deaths
+
     def close(self) -> None:
-        self._closed.set()
-        t = self._thread
-        if t is not None and t.is_alive() and t is not threading.current_thread():
-            # The long polls return within about a second; Ray must not shut down under them.
-            t.join(timeout=POLL_WAIT_S + self._timeout + 2)
+        # The long polls return within about a second; Ray must not shut down under them.
+        self._thread.stop(timeout=POLL_WAIT_S + self._timeout + 2)
+
+    # ------------------------------------------------------------------ supervision
+    def _clear_all(self) -> None:
+        """Forget every shard (on the feed thread: the view keeps one writer)."""
+        with self._cv:
+            for s in self._shards:
+                self.view.clear_shard(s.index)
+                s.cleared, s.failures, s.retry_at, s.next_poll = True, 0, 0.0, 0.0
+            self._cv.notify_all()
+
+    def _restarting(self, e: BaseException) -> None:
+        self.error = f"the feed thread restarted after {type(e).__name__}: {e}"
+        self._clear_all()  # the new loop starts from snapshots: nothing stale meanwhile
+
+    def _died(self, e: BaseException) -> None:
+        self.error = f"the feed thread died: {type(e).__name__}: {e}"
+        self.dead = True
+        self._clear_all()
+        self._closed.set()  # the store is closed: lookups miss, sync and puts say why
+        with self._cv:
+            self._cv.notify_all()
 
     # ------------------------------------------------------------------ the thread
+    def _handle(self, s: _Shard) -> Any:
+        h = self._handles.get(s.name)
+        if h is None:
+            raise StoreUnavailableError(f"kvray: index shard {s.name} is not running")
+        return h
+
     def _poll(self, s: _Shard) -> Any:
         v = self.view
-        return s.handle.changes.remote(v.epochs[s.index], v.seqs[s.index], POLL_WAIT_S)
+        return self._handle(s).changes.remote(v.epochs[s.index], v.seqs[s.index], POLL_WAIT_S)
 
     def _run(self) -> None:
         pending: dict[Any, _Shard] = {}
@@ -171,6 +225,7 @@ class Subscriber:
     def _failed(self, s: _Shard, e: BaseException, force_clear: bool = False) -> None:
         s.failures += 1
         self.error = f"index shard {s.index}: {type(e).__name__}: {e}"
+        self._handles.failed(s.name, e)  # looked up again by name at the next poll
         gone = isinstance(e, ray.exceptions.ActorDiedError)
         if (force_clear or gone or s.failures >= CLEAR_AFTER_FAILURES) and not s.cleared:
             logger.warning(
@@ -184,11 +239,6 @@ class Subscriber:
                 self.view.clear_shard(s.index)
                 self._cv.notify_all()
             s.cleared = True
-        if gone:  # killed for good: look it up again by name (kvray may be started again)
-            with contextlib.suppress(Exception):
-                s.handle = ray.get_actor(
-                    index_name(self.namespace, s.index), namespace=RAY_NAMESPACE
-                )
         s.retry_at = time.monotonic() + min(2.0, 0.1 * 2 ** min(s.failures, 5))
 
     # ------------------------------------------------------------------ barrier
@@ -197,13 +247,15 @@ class Subscriber:
         if self._closed.is_set():
             raise StoreUnavailableError(
                 f"kvray: the store of namespace {self.namespace!r} is closed"
-                + (f" ({self.error})" if self.stopped else "")
+                + (f" ({self.error})" if self.stopped or self.dead else "")
             )
         deadline = time.monotonic() + timeout
-        refs = [s.handle.barrier.remote(timeout) for s in self._shards]
         try:
+            refs = [self._handle(s).barrier.remote(timeout) for s in self._shards]
             marks = ray.get(refs, timeout=timeout + 5)
         except Exception as e:
+            for s in self._shards:
+                self._handles.failed(s.name, e)
             raise StoreUnavailableError(f"kvray: the index did not answer a barrier: {e}") from e
         v = self.view
         with self._cv:

@@ -12,6 +12,7 @@ instead of "no data", and every documented series can be checked at the endpoint
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from ray.util import metrics
 
@@ -329,14 +330,25 @@ class ClientTally:
     """Plain counters bumped on hot paths and flushed to Ray metrics about once a second.
 
     A Ray metric update costs 2-3 us; a lookup must cost less than that, so hot paths only
-    add to ints here (the GIL makes each ``+=`` safe enough for statistics). Latency lists are
-    bounded should the flushing thread be stuck.
+    add to ints here, under one lock (``+=`` on an attribute is a read, an add and a write: two
+    threads can interleave and lose an update whatever the GIL). Latency lists are bounded
+    should the flushing thread be stuck.
     """
 
     MAX_SAMPLES = 10_000
+    COUNTERS = (
+        "lookups",
+        "hit_blocks",
+        "miss_blocks",
+        "bytes_loaded",
+        "bytes_stored",
+        "lost",
+        "tokens_loaded",
+    )
 
     def __init__(self, namespace: str) -> None:
         self.tags = {"namespace": namespace}
+        self._lock = threading.Lock()
         self.lookups = 0
         self.hit_blocks = 0
         self.miss_blocks = 0
@@ -350,14 +362,45 @@ class ClientTally:
         self.view_blocks = -1
         self.view_bytes = 0
 
+    def add(self, **counts: int) -> None:
+        """Add to counters by name (``tally.add(lost=3)``); thread-safe."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def looked_up(self, hits: int, misses: int, seconds: float) -> None:
+        """One lookup (the hot path: one lock, no keyword dict)."""
+        with self._lock:
+            self.lookups += 1
+            self.hit_blocks += hits
+            self.miss_blocks += misses
+            if len(self.latencies) < self.MAX_SAMPLES:
+                self.latencies.append(seconds)
+
     def observe(self, name: str, seconds: float) -> None:
-        values: list[float] = getattr(self, name)
-        if len(values) < self.MAX_SAMPLES:
-            values.append(seconds)
+        with self._lock:
+            values: list[float] = getattr(self, name)
+            if len(values) < self.MAX_SAMPLES:
+                values.append(seconds)
+
+    def take(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+        """The counts and samples since the last take, zeroed (what :meth:`flush` sends)."""
+        with self._lock:
+            counts = {name: getattr(self, name) for name in self.COUNTERS}
+            for name in self.COUNTERS:
+                setattr(self, name, 0)
+            samples = {
+                "latencies": self.latencies,
+                "load_latencies": self.load_latencies,
+                "store_latencies": self.store_latencies,
+            }
+            self.latencies, self.load_latencies, self.store_latencies = [], [], []
+        return counts, samples
 
     def flush(self) -> None:
         m = ClientMetrics.get()
         t = self.tags
+        counts, samples = self.take()
         for name, counter in (
             ("lookups", m.lookups),
             ("hit_blocks", m.lookup_hits),
@@ -367,18 +410,17 @@ class ClientTally:
             ("lost", m.lost_blocks),
             ("tokens_loaded", m.tokens_loaded),
         ):
-            n = getattr(self, name)
-            if n:
-                setattr(self, name, getattr(self, name) - n)
+            n = counts[name]
+            if n > 0:
                 counter.inc(n, tags=t)
+            elif n < 0:  # taken back after the flush (manager.py moves misses to hits)
+                self.add(**{name: n})
         for name, hist in (
             ("latencies", m.lookup_latency),
             ("load_latencies", m.load_latency),
             ("store_latencies", m.store_latency),
         ):
-            values = getattr(self, name)
-            setattr(self, name, [])
-            for v in values:
+            for v in samples[name]:
                 hist.observe(v, tags=t)
         if self.view_blocks >= 0:
             m.view_blocks.set(self.view_blocks, tags=t)

@@ -62,5 +62,6 @@ def gather_stats(store: Store, timeout: float) -> dict[str, Any]:
             "view_keys": len(view) if view is not None else 0,
             "view_bytes": view.nbytes if view is not None else 0,
             "refused_inflight": store.io.refused_inflight,
+            "thread_deaths": store.thread_deaths,
         },
     }

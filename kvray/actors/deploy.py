@@ -192,7 +192,9 @@ class Reconciler:
                 continue
             node_id = entry["name"][len(prefix) :]
             try:
-                handle = ray.get_actor(entry["name"], namespace=RAY_NAMESPACE)
+                handle = await asyncio.to_thread(  # a GCS call: off the event loop
+                    ray.get_actor, entry["name"], namespace=RAY_NAMESPACE
+                )
                 slot, incarnation, versions = await asyncio.wait_for(handle.ping.remote(), timeout)
             except Exception:
                 continue
@@ -404,9 +406,9 @@ CLOSE_DISK_TIMEOUT_S = 30.0
 
 
 def _close_disks(pools: list[Any], purge: bool) -> None:
-    """Have every pool close its disk tier (and purge it); a pool that does not answer in
-    time is killed anyway (its queued writes are lost, never half-visible)."""
-    refs = [p.close_disk.remote(purge, CLOSE_DISK_TIMEOUT_S - 5) for p in pools]
+    """Have every pool close its disk tier (and purge it) and stop its threads; a pool that
+    does not answer in time is killed anyway (its queued writes are lost, never half-visible)."""
+    refs = [p.stop.remote(purge, CLOSE_DISK_TIMEOUT_S - 5) for p in pools]
     deadline = time.monotonic() + CLOSE_DISK_TIMEOUT_S
     deleted = 0
     for ref in refs:

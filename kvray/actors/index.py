@@ -276,8 +276,10 @@ class IndexShard:
         pool.resyncing = True
         self._resyncs += 1
         try:
-            if pool.handle is None:
-                pool.handle = ray.get_actor(pool.info.pool_name, namespace=RAY_NAMESPACE)
+            if pool.handle is None:  # a GCS call: off the event loop
+                pool.handle = await asyncio.to_thread(
+                    ray.get_actor, pool.info.pool_name, namespace=RAY_NAMESPACE
+                )
             inv: Inventory = await asyncio.wait_for(
                 pool.handle.inventory.remote(self._shard, self._num_shards),
                 timeout=self._cfg.get_timeout_s,

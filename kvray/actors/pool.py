@@ -34,7 +34,7 @@ import ray
 from ray import ObjectRef
 
 from kvray.actors.leases import Held, Leases
-from kvray.actors.poolstate import PoolState, Removed
+from kvray.actors.poolstate import STATS_COUNTERS, PoolState, Removed
 from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
 from kvray.actors.segment import SegmentMeta
 from kvray.actors.tiering import Tiering
@@ -43,8 +43,13 @@ from kvray.errors import InvalidArgumentError
 from kvray.meta.ids import index_shard_of, shard_ids
 from kvray.meta.messages import Inventory, LeaseReply, PutResult
 from kvray.metrics import PoolMetrics
+from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)
+
+#: How often the gauges are set again: Ray drops a gauge ~20 s after its last set, and an idle
+#: pool must keep reporting its bytes and capacity.
+GAUGE_INTERVAL_S = 5.0
 
 
 class BlockPool:
@@ -86,6 +91,9 @@ class BlockPool:
             else None
         )
         self._disk_reported: dict[str, int] = {}
+        self._gauges = SupervisedThread(
+            self._refresh_gauges, "kvray-gauges", f"pool slot {slot} in {namespace!r}"
+        )
         if run:
             self.start()
 
@@ -98,9 +106,7 @@ class BlockPool:
             self._tiering.metrics = self._metrics
             self._tiering.reads.expire = self._expire_leases
             self._tiering.start()
-        # Ray drops a gauge from the Prometheus endpoint ~20 s after its last set; an idle
-        # pool must keep reporting its bytes and capacity.
-        threading.Thread(target=self._refresh_gauges, name="kvray-gauges", daemon=True).start()
+        self._gauges.start()
         logger.info(
             "kvray pool %s slot %d on node %s: capacity %d bytes",
             self._namespace,
@@ -117,7 +123,22 @@ class BlockPool:
                 figures = self._tiering.figures()
                 self._metrics.disk(figures, self._disk_reported)
                 self._disk_reported = figures
-            time.sleep(5.0)
+            if self._gauges.stopping.wait(GAUGE_INTERVAL_S):
+                return
+
+    @property
+    def thread_deaths(self) -> int:
+        """Deaths of the pool's supervised threads (gauges, publisher, disk tier)."""
+        disk = self._tiering.thread_deaths if self._tiering is not None else 0
+        return self._gauges.deaths + self._pub.thread_deaths + disk
+
+    def stop(self, purge: bool = False, timeout: float = 10.0) -> int:
+        """Before the pool is killed (``kvray.stop``): :meth:`close_disk`, then stop the
+        publisher and the gauge thread. Returns the files deleted."""
+        deleted = self.close_disk(purge, timeout)
+        self._pub.stop()
+        self._gauges.stop()
+        return deleted
 
     # ------------------------------------------------------------------ writes
     def put_segment(
@@ -197,17 +218,7 @@ class BlockPool:
     def _copy(self, payload: ObjectRef, meta: SegmentMeta, chosen: np.ndarray) -> Any:
         """Map the client's segment and copy the chosen blocks into an object we own."""
         arrays = ray.get(payload, timeout=self._get_timeout_s)
-        if isinstance(arrays, np.ndarray) and arrays.ndim == 2:
-            if arrays.shape[0] != len(meta) or (meta.sizes != arrays.shape[1]).any():
-                raise ValueError("put_segment: payload shape does not match the block sizes")
-            own: Any = arrays if chosen.size == len(meta) else arrays[chosen]
-        else:
-            if len(arrays) != len(meta):
-                raise ValueError("put_segment: payload has the wrong number of blocks")
-            own = [arrays[i] for i in chosen.tolist()]
-            got = np.fromiter((a.nbytes for a in own), dtype=np.int64, count=len(own))
-            if (got != meta.sizes[chosen]).any():
-                raise ValueError("put_segment: a block's size does not match its declared size")
+        own = meta.select(arrays, chosen)
         ref = ray.put(own)
         del arrays, own
         return ref
@@ -377,19 +388,10 @@ class BlockPool:
                 "bytes": st.used,
                 "capacity": self._capacity,
                 "segments": len(st.segments),
-                "hits": c.hits,
-                "misses": c.misses,
-                "evictions": c.evictions,
-                "refused": c.refused,
-                "lost": c.lost,
-                "stored": c.stored,
-                "duplicates": c.duplicates,
-                "collisions": c.collisions,
-                "stored_bytes": c.stored_bytes,
-                "served_bytes": c.served_bytes,
-                "puts": c.puts,
+                **{name: getattr(c, name) for name in STATS_COUNTERS},
                 "active_leases": len(self._leases),
                 "expired_leases": self._leases.expired,
+                "thread_deaths": self.thread_deaths,
                 **disk,
             }
 

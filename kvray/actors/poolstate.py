@@ -31,7 +31,7 @@ from kvray.disk import DiskSegment
 from kvray.meta.ids import shard_ids
 from kvray.meta.idtable import IdTable
 
-__all__ = ["Counters", "PoolState", "Removed", "Segment"]
+__all__ = ["STATS_COUNTERS", "Counters", "PoolState", "Removed", "Segment"]
 
 
 @dataclass(eq=False)
@@ -46,6 +46,22 @@ class Segment:
     disk: DiskSegment | None = None
     spill: np.ndarray | None = None  # positions on their way to disk
     spill_bytes: int = 0
+
+
+#: The counters a pool's ``stats()`` reports as they are (the disk tier reports the others).
+STATS_COUNTERS = (
+    "hits",
+    "misses",
+    "evictions",
+    "refused",
+    "lost",
+    "stored",
+    "duplicates",
+    "collisions",
+    "stored_bytes",
+    "served_bytes",
+    "puts",
+)
 
 
 @dataclass

@@ -7,6 +7,13 @@ message rate an index shard sees bounded (pools x shards / interval) however man
 takes. Order: a batch's removals are applied before its additions, so a removal that follows a
 pending addition first flushes that shard's buffer. ``flush()`` sends everything now (a ping for
 a barrier, an inventory for a resync, so neither can miss a buffered change).
+
+Sending happens under the pool's lock, so it never asks the GCS for a handle: the background
+thread resolves the index shards' handles (one :class:`~kvray.handles.HandleCache`) outside any
+lock, and drops one whose last update failed because the shard died (it is looked up again by
+name on the next tick; a batch sent while no handle is known is skipped, and the shard resyncs
+from the pool's inventory when it sees the gap in versions). The thread is supervised (restarted
+should it raise; its deaths count in the pool's ``thread_deaths``) and stopped by the pool.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from typing import Any
 import numpy as np
 import ray
 
+from kvray.handles import HandleCache
 from kvray.meta.ids import index_shard_of
-from kvray.meta.messages import RAY_NAMESPACE, ShardBatch, index_name
+from kvray.meta.messages import ShardBatch, index_name
+from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +50,6 @@ def publish_interval(num_pools: int) -> float:
 
 #: A buffer of this many entries is sent at once.
 MAX_BUFFERED = 1 << 17
-#: Index shard handles are looked up again every this many intervals (about 5 s).
-REFRESH_EVERY = 250
 
 
 class _Buffer:
@@ -63,27 +70,67 @@ class IndexPublisher:
         self._lock = threading.Lock()
         self._buffers = [_Buffer() for _ in range(num_shards)]
         self._versions = [0] * num_shards
-        self._handles: list[Any] = [None] * num_shards
+        self._names = [index_name(namespace, s) for s in range(num_shards)]
+        self._handles = HandleCache()
+        self._last: list[Any] = [None] * num_shards  # the last update sent to each shard
         self._stop = threading.Event()
+        self._interval_s = PUBLISH_INTERVAL_S
+        self._thread = SupervisedThread(
+            self._run,
+            "kvray-publish",
+            f"the index publisher of pool slot {slot} in {namespace!r}",
+            stop=self._stop,
+            restarts=5,
+        )
         self.sent_batches = 0
 
     def start(self, interval_s: float = PUBLISH_INTERVAL_S) -> None:
-        def run() -> None:
-            ticks = 0
-            while not self._stop.wait(interval_s):
-                ticks += 1
-                if ticks % REFRESH_EVERY == 0:  # an index shard may have been recreated
-                    with self._lock:
-                        self._handles = [None] * self._k
-                try:
-                    self.flush()
-                except Exception:
-                    logger.exception("kvray pool: publishing to the index failed")
+        self._interval_s = interval_s
+        self._resolve()
+        self._thread.start()
 
-        threading.Thread(target=run, name="kvray-publish", daemon=True).start()
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the thread (what is still buffered is not sent); True once it has ended."""
+        return self._thread.stop(timeout)
 
-    def stop(self) -> None:
-        self._stop.set()
+    @property
+    def thread_deaths(self) -> int:
+        return self._thread.deaths
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._check_sent()
+            self._resolve()
+            try:
+                self.flush()
+            except Exception:
+                logger.exception("kvray pool: publishing to the index failed")
+
+    def _resolve(self) -> None:
+        """Look up the shards with no handle (outside any lock; backoff in the cache)."""
+        if not ray.is_initialized():  # a unit test's pool: nothing to send to
+            return
+        for name in self._names:
+            self._handles.get(name)
+
+    def _check_sent(self) -> None:
+        """Drop the handle of a shard whose last update failed because it died."""
+        with self._lock:
+            last = [(s, ref) for s, ref in enumerate(self._last) if ref is not None]
+        if not last:
+            return
+        ready, _ = ray.wait([ref for _, ref in last], num_returns=len(last), timeout=0)
+        done = set(ready)
+        for s, ref in last:
+            if ref not in done:
+                continue
+            with self._lock:
+                if self._last[s] is ref:
+                    self._last[s] = None
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:
+                self._handles.failed(self._names[s], e)
 
     # ------------------------------------------------------------------ changes
     def added(self, ids: np.ndarray, shards: np.ndarray, nshards: np.ndarray) -> None:
@@ -150,19 +197,11 @@ class IndexPublisher:
         )
         self._versions[s] += 1
         self.sent_batches += 1
-        index = self._handle(s)
-        if index is not None:
-            index.update.remote(self._slot, self._incarnation, self._versions[s], batch)
-
-    def _handle(self, shard: int) -> Any:
-        if self._handles[shard] is None:
-            try:
-                self._handles[shard] = ray.get_actor(
-                    index_name(self._ns, shard), namespace=RAY_NAMESPACE
-                )
-            except (ValueError, RuntimeError):
-                return None  # that shard resyncs from the inventory when it (re)appears
-        return self._handles[shard]
+        index = self._handles.cached(self._names[s])  # no GCS call: we hold the pool's lock
+        if index is not None:  # else that shard resyncs from the inventory when it (re)appears
+            self._last[s] = index.update.remote(
+                self._slot, self._incarnation, self._versions[s], batch
+            )
 
 
 _EMPTY = np.zeros(0, dtype=np.uint64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -98,6 +99,21 @@ class SegmentMeta:
             )
             + self.checksums.nbytes
         )
+
+    def select(self, payload: Any, chosen: np.ndarray) -> Any:
+        """Blocks ``chosen`` of a client's ``payload`` (a 2D array or a list of arrays), checked
+        against the declared sizes (ValueError if they do not match)."""
+        if isinstance(payload, np.ndarray) and payload.ndim == 2:
+            if payload.shape[0] != len(self) or (self.sizes != payload.shape[1]).any():
+                raise ValueError("put_segment: payload shape does not match the block sizes")
+            return payload if chosen.size == len(self) else payload[chosen]
+        if len(payload) != len(self):
+            raise ValueError("put_segment: payload has the wrong number of blocks")
+        own = [payload[i] for i in chosen.tolist()]
+        got = np.fromiter((a.nbytes for a in own), dtype=np.int64, count=len(own))
+        if (got != self.sizes[chosen]).any():
+            raise ValueError("put_segment: a block's size does not match its declared size")
+        return own
 
     def take(self, idx: np.ndarray | Sequence[int]) -> SegmentMeta:
         """The metadata of blocks ``idx`` only (in that order)."""

@@ -32,6 +32,7 @@ from kvray.actors.promote import DiskReads
 from kvray.disk import DiskSegment, DiskSettings, DiskTier, admit, fingerprint
 from kvray.meta.ids import key_ids, shard_ids
 from kvray.metrics import PoolMetrics
+from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class Tiering:
         self._wake = threading.Condition()
         self._spilling = 0  # bytes of segments on their way to disk
         self._closed = False
+        self._spiller = SupervisedThread(
+            self._run, "kvray-spill", f"the disk tier of {namespace!r}", on_death=self._spill_died
+        )
         self.metrics = PoolMetrics.disabled()  # the pool's, once it has them
         self.state, self.lock, self.publish = state, lock, publish  # for :attr:`reads`
         self.reads = DiskReads(self)
@@ -96,7 +100,7 @@ class Tiering:
             registered = self._register(found)
             self._state.on_evict = self._take
         tier.start()
-        threading.Thread(target=self._run, name="kvray-spill", daemon=True).start()
+        self._spiller.start()
         logger.info(
             "kvray pool: disk tier %s, %d bytes, %d block(s) from %d file(s) found",
             tier.dir,
@@ -132,6 +136,8 @@ class Tiering:
         with self._wake:
             self._closed = True
             self._wake.notify_all()
+        # It hands over at most one more segment (refused once the tier closes): a short wait.
+        self._spiller.stop(min(timeout, 2.0))
         tier = self.tier
         if tier is None:
             return 0
@@ -202,6 +208,21 @@ class Tiering:
                 logger.exception("kvray pool: cannot hand segment %d to the disk tier", seg_id)
             if not answer:
                 self._give_up([seg_id], count=answer is None)
+
+    def _spill_died(self, _: BaseException) -> None:
+        """The spill thread died for good: RAM evictions drop their blocks from now on
+        (``disk_skipped``), and so do the segments it had queued."""
+        with self._wake:
+            self._closed = True
+            queued = list(self._queue)
+            self._queue.clear()
+        self._give_up(queued, count=True)
+
+    @property
+    def thread_deaths(self) -> int:
+        """Deaths of the spill thread and the tier's writer."""
+        writer = self.tier.thread_deaths if self.tier is not None else 0
+        return self._spiller.deaths + writer
 
     def _spilled(self, disk: DiskSegment) -> None:
         """The tier wrote a segment: it is on disk now; re-keyed to the file's rows when only

@@ -119,9 +119,7 @@ class KVRayCacheManager:
             if best == len(block_hashes):
                 break
         if best > found:  # the store counted these blocks as misses
-            tally = self.store.tally
-            tally.hit_blocks += best - found
-            tally.miss_blocks -= best - found
+            self.store.tally.add(hit_blocks=best - found, miss_blocks=found - best)
         return best, grouping
 
     def present(self, block_hashes: Sequence[bytes]) -> np.ndarray:

@@ -284,7 +284,7 @@ class TransferHandler:
             self._load_errors.update(bad)
             self._meta.mark(job.job_id, ok=not bad)
         if job.done and self.tp_rank == 0:  # one rank counts tokens for the dashboard
-            self.store.tally.tokens_loaded += job.done * self.key_space.block_size
+            self.store.tally.add(tokens_loaded=job.done * self.key_space.block_size)
         return not bad
 
     # ---------------------------------------------------------------- stores

@@ -43,6 +43,7 @@ from kvray.disk.writer import (
     write_files,
 )
 from kvray.errors import BlockLostError, KVRayError
+from kvray.threads import SupervisedThread
 
 __all__ = ["DiskTier"]
 
@@ -88,7 +89,7 @@ class DiskTier:
         self._counters = Counters()
         self._scanned = False
         self._closing = False
-        self._writer: threading.Thread | None = None
+        self._writer: SupervisedThread | None = None
         self._writer_done = False
         self._release_on_exit = False
         try:
@@ -132,8 +133,13 @@ class DiskTier:
                 raise KVRayError("DiskTier.start: call scan() (or purge()) first")
             if self._writer is not None or self._closing:
                 raise KVRayError("DiskTier.start: already started or closed")
-            self._writer = threading.Thread(target=self._run, name="kvray-disk-writer", daemon=True)
-            self._writer.start()
+            self._writer = SupervisedThread(
+                self._run,
+                "kvray-disk-writer",
+                f"the disk tier in {self.dir}",
+                on_death=self._writer_died,
+                on_exit=self._writer_exit,
+            ).start()
 
     def spill(
         self,
@@ -177,40 +183,49 @@ class DiskTier:
         return True
 
     def _run(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    while not self._queue and not self._closing:
-                        self._wake.wait(1.0)
-                    if not self._queue:
-                        return
-                    jobs = [self._queue.popleft()]
-                    group = jobs[0].nbytes
-                    while (
-                        self._queue
-                        and len(jobs) < GROUP_FILES
-                        and group + self._queue[0].nbytes <= GROUP_BYTES
-                    ):
-                        jobs.append(self._queue.popleft())
-                        group += jobs[-1].nbytes
-                landed: set[int] = set()
-                try:
-                    self._write_group(jobs, landed)
-                except Exception:  # a bug: keep the writer alive (the blocks are not on disk)
-                    logger.exception("kvray disk tier: writer failed on %d segment(s)", len(jobs))
-                    with self._lock:
-                        self._counters.write_errors += 1
-                finally:
-                    # The owner drops what did not land before the queue has room again, so
-                    # its copies of queued segments stay within max_pending_bytes.
-                    self._notify_dropped([j.tag for j in jobs if id(j) not in landed])
-                    with self._lock:
-                        self._pending -= group
-        finally:
+        while True:
             with self._lock:
-                self._writer_done = True
-                if self._release_on_exit:
-                    self._slot.release()
+                while not self._queue and not self._closing:
+                    self._wake.wait(1.0)
+                if not self._queue:
+                    return
+                jobs = [self._queue.popleft()]
+                group = jobs[0].nbytes
+                while (
+                    self._queue
+                    and len(jobs) < GROUP_FILES
+                    and group + self._queue[0].nbytes <= GROUP_BYTES
+                ):
+                    jobs.append(self._queue.popleft())
+                    group += jobs[-1].nbytes
+            landed: set[int] = set()
+            try:
+                self._write_group(jobs, landed)
+            except Exception:  # a bug: keep the writer alive (the blocks are not on disk)
+                logger.exception("kvray disk tier: writer failed on %d segment(s)", len(jobs))
+                with self._lock:
+                    self._counters.write_errors += 1
+            finally:
+                # The owner drops what did not land before the queue has room again, so
+                # its copies of queued segments stay within max_pending_bytes.
+                self._notify_dropped([j.tag for j in jobs if id(j) not in landed])
+                with self._lock:
+                    self._pending -= group
+
+    def _writer_exit(self) -> None:
+        with self._lock:
+            self._writer_done = True
+            if self._release_on_exit:
+                self._slot.release()
+
+    def _writer_died(self, _: BaseException) -> None:
+        """The writer died for good: refuse spills from now on (``disk_skipped``) and give the
+        queued segments back to the owner."""
+        with self._lock:
+            self._closing = True
+            tags = [job.tag for job in self._queue]
+            self._drop_queue()
+        self._notify_dropped(tags)
 
     def _write_group(self, jobs: list[Job], landed: set[int]) -> None:
         """Build the files of a group of queued segments, then write them in chunks that fit;
@@ -377,6 +392,7 @@ class DiskTier:
             self._wake.notify_all()
         writer = self._writer
         if writer is not None:
+            writer.stopping.set()  # a failure while draining ends it: nothing to restart
             writer.join(timeout)
         with self._lock:
             self._drop_queue()
@@ -392,6 +408,10 @@ class DiskTier:
             self._counters.skipped += job.blocks
             self._pending -= job.nbytes
         self._queue.clear()
+
+    @property
+    def thread_deaths(self) -> int:
+        return self._writer.deaths if self._writer is not None else 0
 
     def stats(self) -> dict[str, int]:
         """``disk_*`` figures, ``spilled`` and ``spilled_bytes`` (see :class:`Counters`)."""

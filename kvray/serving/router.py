@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 from collections import Counter
 from typing import Any
 
@@ -27,6 +26,7 @@ from kvray.config import ConfigError, check_namespace
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of, token_ids_of
 from kvray.serving.tokenize import EngineTokenizer
 from kvray.serving.view import KeySpaceCache, decision_metric, held_blocks_by_node, shared_store
+from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,15 @@ class KVRayRouter(RequestRouter):
         self._spaces = KeySpaceCache(namespace)
         self.decisions: Counter[str] = Counter()
         self._metric = decision_metric(namespace, REASONS)
-        threading.Thread(target=self._warm_up, name="kvray-router-init", daemon=True).start()
+        # One shot, supervised: a failure is logged and counted (``thread_deaths``); the store
+        # is then connected on the first request, and text prompts route by load only.
+        self._init = SupervisedThread(
+            self._warm_up, "kvray-router-init", f"KVRayRouter of {namespace!r}", restarts=0
+        ).start()
+
+    @property
+    def thread_deaths(self) -> int:
+        return self._init.deaths
 
     # ------------------------------------------------------------ background setup
     def _warm_up(self) -> None:
