@@ -73,7 +73,7 @@ def test_a_dying_target_is_logged_counted_and_restarted_with_bounds(
     assert [str(e) for e in restarted] == ["run 1", "run 2"]
     assert [str(e) for e in died] == ["run 3"]
     assert thread_deaths()["kvray-test-a"] == before + 3
-    assert runs[2] - runs[1] >= runs[1] - runs[0] >= 0.04  # backoff, doubling
+    assert runs[1] - runs[0] >= 0.045 and runs[2] - runs[1] >= 0.09  # backoff, doubling
     records = [r for r in caplog.records if "kvray-test-a" in r.getMessage()]
     assert len(records) == 3 and all(r.exc_info and r.exc_info[0] is Injected for r in records)
     assert "giving up" in records[-1].getMessage()
