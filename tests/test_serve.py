@@ -472,3 +472,21 @@ def test_cli_serve_refuses_bad_arguments_in_one_line(ray_cluster: Cluster) -> No
     assert "--engine-arg expects key=value" in bad_arg.output
     reserved = runner.invoke(app, ["serve", "/models/m", "--engine-arg", "model=other"])
     assert reserved.exit_code == 1 and "set by build_app" in reserved.output
+
+
+def test_kv_cache_none_builds_the_same_app_without_kvray() -> None:
+    from kvray.config import ConfigError
+    from kvray.serving.app import build_llm_config
+
+    on = build_llm_config("/models/m", namespace="ns1", engine_args={"max_model_len": 512})
+    off = build_llm_config("/models/m", kv_cache="none", engine_args={"max_model_len": 512})
+    assert on.engine_kwargs["kv_transfer_config"]["kv_connector"] == "KVRayConnector"
+    assert "kv_transfer_config" not in off.engine_kwargs
+    assert off.engine_kwargs["max_model_len"] == on.engine_kwargs["max_model_len"] == 512
+    # Without kvray the default router is Ray's prefix-affinity router; kvray's needs kvray.
+    router = off.deployment_config["request_router_config"].request_router_class
+    assert router.endswith("PrefixCacheAffinityRouter")
+    with pytest.raises(ConfigError, match="kv_cache"):
+        build_llm_config("/models/m", kv_cache="none", router="kvray")
+    with pytest.raises(ConfigError, match="kv_cache"):
+        build_llm_config("/models/m", kv_cache="lmcache")  # type: ignore[arg-type]
