@@ -1,5 +1,5 @@
 """What a Ray cluster's processes spend while a workload runs: CPU seconds by process role and
-the GCS's RPCs by method (``scripts/bench_serve.py`` and the tests; no kvray imports).
+the GCS's RPCs by method (``scripts/bench_serve.py`` and the tests).
 
 CPU: ``psutil`` CPU times (user + system) of every process descending from the calling
 process (a simulated cluster's GCS, raylets, agents, Ray workers, vLLM's engine processes),
@@ -103,11 +103,9 @@ def metrics_urls() -> list[str]:
     """Every live node's Prometheus endpoint (needs ``ray.init``)."""
     import ray
 
-    return [
-        f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
-        for n in ray.nodes()
-        if n.get("Alive") and n.get("MetricsExportPort")
-    ]
+    from kvray.monitor import node_targets
+
+    return [f"http://{target}/metrics" for target in node_targets(ray.nodes())]
 
 
 def gcs_rpc_snapshot(urls: list[str], report_interval_s: float = 1.0) -> Counter[str]:

@@ -35,7 +35,7 @@ def _polls(urls: list[str]) -> int:
     return sum(counts[m] for m in POLLS)
 
 
-def test_joining_keeps_the_callers_random_state(ray_cluster: Cluster) -> None:
+def test_joining_keeps_the_callers_random_state() -> None:
     from kvray.actors.join import _unseeded_random
 
     random.seed(1234)
