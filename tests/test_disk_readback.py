@@ -450,9 +450,10 @@ class _LeasingEngine:
         self.llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
 
     def generate(self, prompts: list[list[int]], reset: bool = False) -> dict[str, Any]:
-        from vllm_helpers import cached_tokens, generate, token_ids
+        from vllm_helpers import cached_tokens, connector_of, generate, token_ids
 
-        if reset:
+        if reset:  # as for engine A: the view must hold what this engine stored first
+            connector_of(self.llm).store.sync()
             assert self.llm.reset_prefix_cache()
         outs = generate(self.llm, prompts)
         return {"tokens": token_ids(outs), "cached": cached_tokens(outs)}
@@ -480,7 +481,7 @@ class _LeasingEngine:
 
 @pytest.mark.vllm
 def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
-    ray_cluster: Cluster, tmp_path: Path
+    ray_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Engine A computes two prompts; engine B's longer prompt pushes A's blocks out of a
     1 MiB RAM tier onto disk, then B loads it back and keeps it leased (RAM all leased). A,
@@ -507,8 +508,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     disk = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "64MiB"}
     extra = {"capacity": "1MiB", "get_timeout_s": 10, **disk}
     kvray.start(namespace=ns, capacity="1MiB", health_check_interval_s=0.5, **disk)
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(ns, **extra)))
     other = None
     prompts = make_prompts(2, 200, 30, seed=7)  # 8 blocks of 64 KiB
@@ -553,7 +553,3 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
             ray.kill(other)
         close_llm(llm)
         kvray.stop(ns, purge=True)
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
