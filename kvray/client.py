@@ -34,7 +34,7 @@ from kvray.errors import BlockLostError, InvalidArgumentError, StoreUnavailableE
 from kvray.feed import Subscriber
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, PutResult, index_name
-from kvray.metrics import ClientMetrics, ClientTally
+from kvray.metrics import ClientMetrics, ViewTally
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Store:
             raise StoreUnavailableError(
                 f"kvray: the reconciler of namespace {config.namespace!r} did not answer: {e}"
             ) from e
-        self.tally = _ViewTally(config.namespace)
+        self.tally = ViewTally(config.namespace)
         with contextlib.suppress(Exception):  # the figures start at 0, not at their first event
             ClientMetrics.get().export_zero(config.namespace)
         self.io = BlockIO(config, self.tally)
@@ -351,22 +351,6 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _ViewTally(ClientTally):
-    """A store's tally: each flush (about once a second, from the data path's maintenance
-    thread) also reports the size of the store's view (``kvray_view_blocks`` / ``_bytes``)."""
-
-    def __init__(self, namespace: str) -> None:
-        super().__init__(namespace)
-        self.feed: Subscriber | None = None
-
-    def flush(self) -> None:
-        feed = self.feed
-        if feed is not None:
-            view = feed.view
-            self.view_blocks, self.view_bytes = len(view), view.nbytes
-        super().flush()
 
 
 def _quick_keys(keys: list[Any]) -> list[bytes]:
