@@ -10,26 +10,25 @@ pool.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from kvray.blocks import Fetched
+from kvray.blocks import Blocks, Fetched
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import JobId, KVRayConnectorMetadata, LoadSpec
 from kvray.connector.paged import Source
 from kvray.kernels.heads import HeadPart
 from kvray.meta.ids import key_ids
+from kvray.meta.messages import PutResult
 
 __all__ = ["LoadJob", "TransferStore"]
 
 
 class TransferStore(Protocol):
     """What the handler needs of a :class:`kvray.Store` (no view: workers keep none)."""
-
-    tally: Any
-    io: Any
 
     def fetch_from(
         self,
@@ -42,6 +41,12 @@ class TransferStore(Protocol):
     ) -> Fetched: ...
 
     def verify(self, fetched: Fetched, sums: list[int | None] | None = None) -> int: ...
+
+    def put_shard(
+        self, keys: list[bytes], ids: np.ndarray, shard: int, num_shards: int, blocks: Blocks
+    ) -> Future[PutResult]: ...
+
+    def count(self, **figures: int) -> None: ...
 
 
 @dataclass

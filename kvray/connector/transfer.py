@@ -284,7 +284,7 @@ class TransferHandler:
             self._load_errors.update(bad)
             self._meta.mark(job.job_id, ok=not bad)
         if job.done and self.tp_rank == 0:  # one rank counts tokens for the dashboard
-            self.store.tally.add(tokens_loaded=job.done * self.key_space.block_size)
+            self.store.count(tokens_loaded=job.done * self.key_space.block_size)
         return not bad
 
     # ---------------------------------------------------------------- stores
@@ -323,7 +323,7 @@ class TransferHandler:
             )
             self.mover.gather(spec.block_ids[a:b], buf)
             keys = self.key_space.block_keys(spec.block_hashes[a:b])
-            fut = self.store.io.put(
+            fut = self.store.put_shard(
                 keys, key_ids(keys), self.shard, self.key_space.num_shards, buf.numpy()
             )
         except Exception:
