@@ -42,6 +42,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "kvray.blockio",
         "kvray.feed",
     ),
+    # The connector's seams (Protocols only): nothing of the client or the server either.
+    "kvray.connector.sides": (
+        *SERVER,
+        "kvray.actors",
+        "pyarrow",
+        "kvray.client",
+        "kvray.blockio",
+        "kvray.feed",
+    ),
 }
 
 

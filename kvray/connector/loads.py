@@ -10,43 +10,17 @@ pool.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import numpy as np
-
-from kvray.blocks import Blocks, Fetched
+from kvray.blocks import Fetched
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import JobId, KVRayConnectorMetadata, LoadSpec
 from kvray.connector.paged import Source
+from kvray.connector.sides import TransferStore
 from kvray.kernels.heads import HeadPart
 from kvray.meta.ids import key_ids
-from kvray.meta.messages import PutResult
 
 __all__ = ["LoadJob", "TransferStore"]
-
-
-class TransferStore(Protocol):
-    """What the handler needs of a :class:`kvray.Store` (no view: workers keep none)."""
-
-    def fetch_from(
-        self,
-        keys: list[bytes],
-        ids: np.ndarray,
-        shard: int,
-        slots: list[int],
-        pools: dict[int, str],
-        timeout: float,
-    ) -> Fetched: ...
-
-    def verify(self, fetched: Fetched, sums: list[int | None] | None = None) -> int: ...
-
-    def put_shard(
-        self, keys: list[bytes], ids: np.ndarray, shard: int, num_shards: int, blocks: Blocks
-    ) -> Future[PutResult]: ...
-
-    def count(self, **figures: int) -> None: ...
 
 
 @dataclass

@@ -18,11 +18,12 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvray.connector.keys import EngineKeySpace
+from kvray.connector.sides import ViewStore
 from kvray.meta.holders import decode_slots, split_positions
 from kvray.meta.idtable import IdTable
 
@@ -39,16 +40,6 @@ MAX_ANNOUNCED = 1 << 20
 MAX_PENDING = 1 << 16
 #: Events kept for ``take_events`` (the engine drains them every step).
 MAX_EVENTS = 1 << 16
-
-
-class ViewStore(Protocol):
-    """What the manager needs of a subscribed :class:`kvray.Store`."""
-
-    def local_view(self) -> LocalView: ...
-
-    def lookup(self, keys: Sequence[bytes]) -> int: ...
-
-    def count(self, **figures: int) -> None: ...
 
 
 @dataclass

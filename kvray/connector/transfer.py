@@ -26,9 +26,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import replace
 
 import torch
 
@@ -43,11 +43,13 @@ from kvray.connector.metadata import (
     LoadSpec,
     ReqId,
     StoreSpec,
+    TransferCounters,
 )
 from kvray.connector.paged import Mover, PagedCopier
-from kvray.kernels import StagingPool
+from kvray.kernels import StagingLease, StagingPool
 from kvray.kernels.heads import head_parts
 from kvray.meta.ids import key_ids
+from kvray.meta.messages import PutResult
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +120,37 @@ class TransferHandler:
         self._finished_recving: set[ReqId] = set()
         self._failed_recving: set[ReqId] = set()
         self._load_errors: set[int] = set()
-        self._puts: dict[JobId, list[Future[Any]]] = {}
+        self._puts: dict[JobId, list[Future[PutResult]]] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._layers: _Layers | None = None
+
+    # ---------------------------------------------------------------- jobs
+    def submit(self, job_ids: Iterable[JobId], meta: KVRayConnectorMetadata) -> None:
+        """Start jobs of this step by id, each a load or a store of ``meta``: one entry for
+        every job and every load mode. Loads start as the mode says (``sync``: run here,
+        ``async``: on the loader thread, ``layerwise``: together on the loader, a layer at a
+        time); stores are gathered now and put in the background."""
+        ids = list(job_ids)
+        unknown = [j for j in ids if j not in meta.loads and j not in meta.stores]
+        if unknown:
+            raise KeyError(f"kvray: jobs {unknown} are not in this step's metadata")
+        loads = [j for j in ids if j in meta.loads]
+        if loads:
+            if len(loads) < len(meta.loads):
+                meta = replace(meta, loads={j: meta.loads[j] for j in loads})
+            self.submit_loads(meta)
+        for j in ids:
+            spec = meta.stores.get(j)
+            if spec is not None:
+                self.submit_store(j, spec)
+
+    def wait(self, layer_name: str | None = None) -> None:
+        """Until this step's loads have filled ``layer_name`` (None: every layer, checksums
+        included); bounded by the load deadline."""
+        if layer_name is None:
+            self.finish_layers()
+        else:
+            self.wait_for_layer(layer_name)
 
     # ---------------------------------------------------------------- loads
     def submit_loads(self, meta: KVRayConnectorMetadata) -> None:
@@ -296,7 +326,7 @@ class TransferHandler:
         if not self.is_writer or not n:
             self._mark_store(job_id, spec, [], ok=True)
             return
-        futures: list[Future[Any]] = []
+        futures: list[Future[PutResult]] = []
         ok = True
         step = max(1, self.staging.max_blocks)
         for a in range(0, n, step):
@@ -310,7 +340,7 @@ class TransferHandler:
             futures.append(fut)
         self._mark_store(job_id, spec, futures, ok=ok)
 
-    def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[Any] | None:
+    def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[PutResult] | None:
         lease = self.copier.lease(b - a)
         try:
             # Staging rows still held by puts in flight: a buffer of the piece's own, not a
@@ -334,7 +364,7 @@ class TransferHandler:
         fut.add_done_callback(lambda f: self._put_done(b - a, f, lease))
         return fut
 
-    def _put_done(self, n: int, fut: Future[Any], lease: Any) -> None:
+    def _put_done(self, n: int, fut: Future[PutResult], lease: StagingLease | None) -> None:
         if lease is not None:
             lease.release()  # the staging rows are reusable once Ray owns a copy
         with self._lock:
@@ -350,7 +380,7 @@ class TransferHandler:
                 c.refused_blocks += n
 
     def _mark_store(
-        self, job_id: JobId, spec: StoreSpec, futures: list[Future[Any]], *, ok: bool
+        self, job_id: JobId, spec: StoreSpec, futures: list[Future[PutResult]], *, ok: bool
     ) -> None:
         """The job completes when every piece is owned by a pool (or failed)."""
         if spec.finish:
@@ -363,7 +393,7 @@ class TransferHandler:
         left = [len(futures)]
         failed = [not ok]
 
-        def one_done(f: Future[Any]) -> None:
+        def one_done(f: Future[PutResult]) -> None:
             try:
                 r = f.result()
                 failed[0] = failed[0] or r.refused > 0
@@ -405,7 +435,7 @@ class TransferHandler:
             meta, self._meta = self._meta, KVRayWorkerMetadata()
         return meta
 
-    def counters(self) -> Any:
+    def counters(self) -> TransferCounters:
         return self._meta.counters
 
     def flush(self, timeout: float = 30.0) -> None:
