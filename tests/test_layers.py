@@ -15,7 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 HEAVY = ("ray", "vllm", "pyarrow", "kvray.actors", "kvray.disk")
-SERVER = ("kvray.actors.deploy", "kvray.actors.pool", "kvray.actors.index", "kvray.disk")
+SERVER = (
+    "kvray.actors.deploy",
+    "kvray.actors.reconciler",
+    "kvray.actors.pool",
+    "kvray.actors.index",
+    "kvray.actors.changelog",
+    "kvray.disk",
+)
 
 #: module -> what importing it must not load (a name or any of its submodules).
 LAYERS: dict[str, tuple[str, ...]] = {

@@ -5,7 +5,7 @@ sends each shard its part of every change as a versioned :class:`ShardBatch` (fi
 one stream per pool and shard). A shard applies batches to a :class:`HolderTable` (numpy, one
 entry per block), appends the blocks whose location code changed to a bounded change log, and
 answers long polls with numpy arrays. A version gap or a new pool incarnation makes it rebuild
-that pool's entries from the pool's inventory; the reconciler (:mod:`kvray.actors.deploy`)
+that pool's entries from the pool's inventory; the reconciler (:mod:`kvray.actors.reconciler`)
 tells it each tick which pools are alive and which update version each has sent, so a lost
 update or a dead pool is noticed within a tick or two. The shard holds nothing the pools do not:
 a restarted shard (``max_restarts``) rebuilds itself, and clients get a snapshot (new epoch).
