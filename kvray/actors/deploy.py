@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -24,6 +24,9 @@ from kvray.meta.messages import (
     control_name,
     pool_prefix,
 )
+
+if TYPE_CHECKING:
+    from kvray.handles import PoolHandle
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
         max_task_retries=-1,
         max_concurrency=100,
         enable_task_events=False,  # pings of every pool, every health_check_interval_s
-    ).remote(cfg.to_dict(), shards, run=True)
+    ).remote(cfg, shards, run=True)
     wait = max(cfg.get_timeout_s, 60.0)
     deadline = time.monotonic() + wait
     try:
@@ -139,7 +142,7 @@ def stop(namespace: str = "default", purge: bool = False) -> int:
 CLOSE_DISK_TIMEOUT_S = 30.0
 
 
-def _close_disks(pools: list[Any], purge: bool) -> None:
+def _close_disks(pools: list[PoolHandle], purge: bool) -> None:
     """Have every pool close its disk tier (and purge it) and stop its threads; a pool that
     does not answer in time is killed anyway (its queued writes are lost, never half-visible)."""
     refs = [p.stop.remote(purge, CLOSE_DISK_TIMEOUT_S - 5) for p in pools]

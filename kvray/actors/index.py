@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -37,6 +37,9 @@ from kvray.meta.messages import (
 )
 from kvray.metrics import IndexMetrics
 
+if TYPE_CHECKING:
+    from kvray.handles import PoolHandle
+
 logger = logging.getLogger(__name__)
 
 #: Batches of one pool held while an earlier one is late, and how long one may be late.
@@ -49,7 +52,7 @@ STALE_VERDICT_S = 10.0
 @dataclass
 class _Pool:
     info: NodeInfo
-    handle: Any = None
+    handle: PoolHandle | None = None
     incarnation: str = ""
     version: int = 0
     healthy: bool = False
@@ -66,9 +69,9 @@ class IndexShard:
     """One shard of the global index (an async Ray actor)."""
 
     def __init__(
-        self, config: dict[str, Any], shard: int = 0, num_shards: int = 1, *, run: bool = False
+        self, config: KVRayConfig, shard: int = 0, num_shards: int = 1, *, run: bool = False
     ) -> None:
-        self._cfg = KVRayConfig.from_dict(config)
+        self._cfg = config
         self._ns = self._cfg.namespace
         self._shard = shard
         self._num_shards = num_shards

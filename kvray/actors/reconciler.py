@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -35,6 +35,9 @@ from kvray.meta.messages import (
     pool_prefix,
 )
 
+if TYPE_CHECKING:
+    from kvray.handles import IndexHandle, PoolHandle
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Reconciler", "ReconcilerActor", "spawn_pool"]
@@ -50,7 +53,7 @@ MISSED_PINGS_BEFORE_DEAD = 3
 class _PoolRecord:
     slot: int
     info: NodeInfo
-    handle: Any
+    handle: PoolHandle
     alive: bool = False
     incarnation: str = ""
     versions: tuple[int, ...] = ()
@@ -61,12 +64,12 @@ class _PoolRecord:
 class Reconciler:
     """Pools on every alive node, their health, and the index shards' view of them."""
 
-    def __init__(self, config: dict[str, Any], num_index_shards: int, *, run: bool = False) -> None:
-        self._cfg = KVRayConfig.from_dict(config)
+    def __init__(self, config: KVRayConfig, num_index_shards: int, *, run: bool = False) -> None:
+        self._cfg = config
         self._ns = self._cfg.namespace
         self._k = num_index_shards
         self._pools: dict[str, _PoolRecord] = {}  # node id -> pool
-        self._index: list[Any] = []
+        self._index: list[IndexHandle] = []
         self._recovered = False
         self._stopping = False
         self._ticks = 0
@@ -79,7 +82,7 @@ class Reconciler:
         self._index = [self._index_shard(i) for i in range(self._k)]
         self._task = asyncio.get_event_loop().create_task(self._loop())
 
-    def _index_shard(self, i: int) -> Any:
+    def _index_shard(self, i: int) -> IndexHandle:
         """Get or create index shard ``i`` (detached, restarted by Ray if it crashes)."""
         return IndexShardActor.options(  # type: ignore[attr-defined]
             name=index_name(self._ns, i),
@@ -91,7 +94,7 @@ class Reconciler:
             max_task_retries=-1,
             max_concurrency=1000,
             enable_task_events=False,  # long polls and pool batches: hundreds a second
-        ).remote(self._cfg.to_dict(), i, self._k, run=True)
+        ).remote(self._cfg, i, self._k, run=True)
 
     async def _loop(self) -> None:
         while not self._stopping:
@@ -250,7 +253,7 @@ def spawn_pool(
     get_timeout_s: float,
     publish_interval_s: float,
     disk: DiskSettings | None = None,
-) -> Any:
+) -> PoolHandle:
     """Get or create the pool of ``node_id``: detached, pinned to its node, named.
 
     The capacity is clamped to 80% of the node's object store so the pool never makes Ray
