@@ -130,6 +130,7 @@ class TransferHandler(StorePath):
         every job and every load mode. Loads start as the mode says (``sync``: run here,
         ``async``: on the loader thread, ``layerwise``: together on the loader, a layer at a
         time); stores are gathered now and put in the background."""
+        self.finish_layers()  # defensive: the previous step's loads are complete
         ids = list(job_ids)
         unknown = [j for j in ids if j not in meta.loads and j not in meta.stores]
         if unknown:
