@@ -23,8 +23,10 @@ __all__ = [
     "as_blocks",
     "as_bytes_view",
     "check_keys",
+    "check_timeout",
     "checksum",
     "checksums",
+    "quick_keys",
 ]
 
 #: A segment's payload: equal-size blocks as one 2D uint8 array, or a list of 1D uint8 arrays.
@@ -92,6 +94,25 @@ def check_keys(keys: object, what: str = "keys") -> list[bytes]:
     if len(set(out)) != len(out):
         raise InvalidArgumentError(f"kvray: {what} must be unique within one call")
     return out
+
+
+def quick_keys(keys: list[Any]) -> list[bytes]:
+    """The lookup hot path: a list whose items are all bytes passes without a copy."""
+    for i, k in enumerate(keys):
+        if type(k) is not bytes or not k:
+            raise InvalidArgumentError(
+                f"kvray: keys[{i}] must be non-empty bytes, got {type(k).__name__}: {k!r:.40}"
+            )
+    return keys
+
+
+def check_timeout(timeout: float | None, default: float) -> float:
+    """A timeout argument in seconds (``None``: ``default``), or :class:`InvalidArgumentError`."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
+        raise InvalidArgumentError(f"kvray: timeout must be seconds in (0, 3600], got {timeout!r}")
+    return float(timeout)
 
 
 def as_bytes_view(block: Any, where: str = "block") -> np.ndarray:

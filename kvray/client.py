@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -28,13 +28,26 @@ import ray
 from kvray import shutdown
 from kvray.actors.join import ensure_ray, get_control
 from kvray.blockio import BlockIO
-from kvray.blocks import Fetched, Read, as_blocks, as_bytes_view, check_keys, checksum
+from kvray.blocks import (
+    Blocks,
+    Fetched,
+    Read,
+    as_blocks,
+    as_bytes_view,
+    check_keys,
+    check_timeout,
+    checksum,
+    quick_keys,
+)
 from kvray.config import KVRayConfig
 from kvray.errors import BlockLostError, InvalidArgumentError, StoreUnavailableError
 from kvray.feed import Subscriber
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, PutResult, index_name
-from kvray.metrics import ClientMetrics, ClientTally
+from kvray.metrics import ClientMetrics, ViewTally
+
+if TYPE_CHECKING:
+    from kvray.meta.view import LocalView
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +73,7 @@ class Store:
             raise StoreUnavailableError(
                 f"kvray: the reconciler of namespace {config.namespace!r} did not answer: {e}"
             ) from e
-        self.tally = _ViewTally(config.namespace)
+        self.tally = ViewTally(config.namespace)
         with contextlib.suppress(Exception):  # the figures start at 0, not at their first event
             ClientMetrics.get().export_zero(config.namespace)
         self.io = BlockIO(config, self.tally)
@@ -94,7 +107,7 @@ class Store:
             why = feed.error if feed is not None and (feed.stopped or feed.dead) else "closed"
             raise StoreUnavailableError(f"kvray: {what} on a store that is {why}")
 
-    def _view(self, what: str) -> Any:
+    def _view(self, what: str) -> LocalView:
         if self.feed is None:
             raise InvalidArgumentError(f"kvray: {what} needs a store opened with subscribe=True")
         return self.feed.view
@@ -103,7 +116,7 @@ class Store:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` held anywhere (local view, no actor call)."""
         t0 = time.perf_counter()
-        keys = check_keys(keys) if not isinstance(keys, list) else _quick_keys(keys)
+        keys = check_keys(keys) if not isinstance(keys, list) else quick_keys(keys)
         view = self._view("lookup")
         n = view.lookup(key_ids(keys)) if keys else 0
         self.tally.looked_up(n, len(keys) - n, time.perf_counter() - t0)
@@ -169,11 +182,19 @@ class Store:
         inner.add_done_callback(done)
         return outer
 
+    def put_shard(
+        self, keys: list[bytes], ids: np.ndarray, shard: int, num_shards: int, blocks: Blocks
+    ) -> Future[PutResult]:
+        """:meth:`put` of shard ``shard`` of ``num_shards`` of each block, under the keys' ids
+        (:func:`kvray.meta.ids.key_ids`), unchecked and without a view: the connector's
+        workers store their TP shard of each block under the block's key."""
+        return self.io.put(keys, ids, shard, num_shards, blocks)
+
     # ------------------------------------------------------------------ gets
     def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[np.ndarray]:
         """Copies of the blocks' bytes (uint8 arrays), all or :class:`BlockLostError`."""
         keys = check_keys(keys)
-        timeout = _check_timeout(timeout, self.config.get_timeout_s)
+        timeout = check_timeout(timeout, self.config.get_timeout_s)
         self._check_open("get")
         t0 = time.perf_counter()
         ids = key_ids(keys)
@@ -202,7 +223,7 @@ class Store:
         are still in the CPU cache) and report the blocks that fail for recompute.
         """
         keys = check_keys(keys)
-        timeout = _check_timeout(timeout, self.config.get_timeout_s)
+        timeout = check_timeout(timeout, self.config.get_timeout_s)
         self._check_open("fetch")
         ids = key_ids(keys)
         view = self._view("fetch")
@@ -312,9 +333,19 @@ class Store:
             self.io.release(held)
 
     # ------------------------------------------------------------------ barrier, figures
+    def local_view(self) -> LocalView:
+        """The store's view of the index (a store opened with ``subscribe=True``): the
+        connector's scheduler plans loads from it."""
+        return self._view("local_view")
+
+    def count(self, **figures: int) -> None:
+        """Add to this process's figures by name (``hit_blocks``, ``miss_blocks``,
+        ``tokens_loaded``, ...; see :class:`~kvray.metrics.ClientTally`); thread-safe."""
+        self.tally.add(**figures)
+
     def sync(self, timeout: float = 10.0) -> None:
         """Wait until the local view reflects every block any pool had stored when called."""
-        timeout = _check_timeout(timeout, 10.0)
+        timeout = check_timeout(timeout, 10.0)
         if self.feed is None:
             raise InvalidArgumentError("kvray: sync needs a store opened with subscribe=True")
         self._check_open("sync")
@@ -324,7 +355,7 @@ class Store:
         """Cluster-wide and per-node figures (one call per pool and per index shard)."""
         from kvray.stats import gather_stats
 
-        timeout = _check_timeout(timeout, 10.0)
+        timeout = check_timeout(timeout, 10.0)
         self._check_open("stats")
         return gather_stats(self, timeout)
 
@@ -351,40 +382,6 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _ViewTally(ClientTally):
-    """A store's tally: each flush (about once a second, from the data path's maintenance
-    thread) also reports the size of the store's view (``kvray_view_blocks`` / ``_bytes``)."""
-
-    def __init__(self, namespace: str) -> None:
-        super().__init__(namespace)
-        self.feed: Subscriber | None = None
-
-    def flush(self) -> None:
-        feed = self.feed
-        if feed is not None:
-            view = feed.view
-            self.view_blocks, self.view_bytes = len(view), view.nbytes
-        super().flush()
-
-
-def _quick_keys(keys: list[Any]) -> list[bytes]:
-    """The lookup hot path: a list whose items are all bytes passes without a copy."""
-    for i, k in enumerate(keys):
-        if type(k) is not bytes or not k:
-            raise InvalidArgumentError(
-                f"kvray: keys[{i}] must be non-empty bytes, got {type(k).__name__}: {k!r:.40}"
-            )
-    return keys
-
-
-def _check_timeout(timeout: float | None, default: float) -> float:
-    if timeout is None:
-        return default
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
-        raise InvalidArgumentError(f"kvray: timeout must be seconds in (0, 3600], got {timeout!r}")
-    return float(timeout)
 
 
 def connect(

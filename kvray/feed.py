@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
+from ray import ObjectRef
 
 from kvray.errors import StoreUnavailableError
 from kvray.handles import HandleCache
@@ -33,6 +34,10 @@ from kvray.meta.idtable import warm_up
 from kvray.meta.messages import Changes, index_name
 from kvray.meta.view import LocalView
 from kvray.threads import SupervisedThread
+
+if TYPE_CHECKING:
+    from kvray.actors.index import IndexShard
+    from kvray.handles import IndexHandle
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +71,13 @@ class Subscriber:
     def __init__(
         self,
         namespace: str,
-        handles: list[Any],
+        handles: list[IndexHandle],
         get_timeout_s: float,
     ) -> None:
         self.namespace = namespace
         self.view = LocalView(len(handles))
         self._shards = [_Shard(i, index_name(namespace, i)) for i in range(len(handles))]
-        self._handles = HandleCache()
+        self._handles: HandleCache[IndexShard] = HandleCache()
         for s, h in zip(self._shards, handles, strict=True):
             self._handles.put(s.name, h)
         self._timeout = get_timeout_s
@@ -140,18 +145,18 @@ class Subscriber:
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ the thread
-    def _handle(self, s: _Shard) -> Any:
+    def _handle(self, s: _Shard) -> IndexHandle:
         h = self._handles.get(s.name)
         if h is None:
             raise StoreUnavailableError(f"kvray: index shard {s.name} is not running")
         return h
 
-    def _poll(self, s: _Shard) -> Any:
+    def _poll(self, s: _Shard) -> ObjectRef[Changes]:
         v = self.view
         return self._handle(s).changes.remote(v.epochs[s.index], v.seqs[s.index], POLL_WAIT_S)
 
     def _run(self) -> None:
-        pending: dict[Any, _Shard] = {}
+        pending: dict[ObjectRef[Changes], _Shard] = {}
         issued: dict[int, float] = {}
         while not self._closed.is_set():
             if not ray.is_initialized():  # shut down under us: a Ray call would start a new one

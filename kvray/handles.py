@@ -13,13 +13,31 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
 
 from kvray.meta.messages import RAY_NAMESPACE
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from ray.actor import ActorHandle
+
+    from kvray.actors.index import IndexShard
+    from kvray.actors.pool import BlockPool
+    from kvray.actors.reconciler import Reconciler
+
+    #: Handles of kvray's actors, by the class each runs (annotations only: importing this
+    #: module loads no actor code).
+    IndexHandle: TypeAlias = ActorHandle[IndexShard]
+    PoolHandle: TypeAlias = ActorHandle[BlockPool]
+    ControlHandle: TypeAlias = ActorHandle[Reconciler]
+
 __all__ = ["HandleCache", "is_gone"]
+
+#: The actor class whose handles a cache holds.
+A = TypeVar("A")
 
 
 def is_gone(error: BaseException) -> bool:
@@ -28,35 +46,35 @@ def is_gone(error: BaseException) -> bool:
     return isinstance(error, ray.exceptions.RayActorError)
 
 
-def _resolve(name: str) -> Any:
+def _resolve(name: str) -> ActorHandle[Any]:  # Ray's get_actor does not know the class
     return ray.get_actor(name, namespace=RAY_NAMESPACE)
 
 
-class HandleCache:
-    """Actor handles by name (thread-safe)."""
+class HandleCache(Generic[A]):
+    """Actor handles by name (thread-safe); ``HandleCache[IndexShard]``: of index shards."""
 
     def __init__(
         self,
         *,
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
-        resolve: Callable[[str], Any] = _resolve,
+        resolve: Callable[[str], ActorHandle[A]] = _resolve,
     ) -> None:
         self._resolve = resolve
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
         self._lock = threading.Lock()
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, ActorHandle[A]] = {}
         self._misses: dict[str, tuple[int, float]] = {}  # name -> (failed resolves, retry at)
         #: Handles dropped by :meth:`failed` so far.
         self.dropped = 0
 
-    def cached(self, name: str) -> Any | None:
+    def cached(self, name: str) -> ActorHandle[A] | None:
         """The handle if it is cached; never a GCS call (safe under a lock)."""
         with self._lock:
             return self._handles.get(name)
 
-    def get(self, name: str) -> Any | None:
+    def get(self, name: str) -> ActorHandle[A] | None:
         """The handle, resolving it if not cached; None when no actor has that name (or the
         last try was less than a backoff ago). May make a GCS call."""
         with self._lock:
@@ -78,13 +96,13 @@ class HandleCache:
             self._misses.pop(name, None)
             return self._handles.setdefault(name, h)
 
-    def put(self, name: str, handle: Any) -> None:
+    def put(self, name: str, handle: ActorHandle[A]) -> None:
         """Seed the cache with a handle resolved elsewhere."""
         with self._lock:
             self._handles[name] = handle
             self._misses.pop(name, None)
 
-    def failed(self, name: str, error: BaseException, handle: Any = None) -> bool:
+    def failed(self, name: str, error: BaseException, handle: ActorHandle[A] | None = None) -> bool:
         """A call through ``name``'s handle raised ``error``: drop the handle if the actor is
         gone (only if it is still ``handle``, when given). True when dropped (or gone)."""
         if not is_gone(error):

@@ -281,7 +281,7 @@ def cluster_phase(args: argparse.Namespace) -> dict[str, Any]:
     from kvray.config import KVRayConfig
 
     k = args.shards
-    cfg = KVRayConfig(namespace=NS).to_dict()
+    cfg = KVRayConfig(namespace=NS)
     shards = [
         IndexShardActor.options(  # type: ignore[attr-defined]
             name=index_name(NS, i), namespace=RAY_NAMESPACE, max_concurrency=1000, num_cpus=0

@@ -357,6 +357,31 @@ def test_every_rank_reports_every_load_job(harness_factory: Any) -> None:
         handler.tp_rank = 0
 
 
+def test_the_sides_are_their_protocols_and_submit_starts_only_the_jobs_named(
+    harness_factory: Any,
+) -> None:
+    """The live objects conform to kvray/connector/sides.py; ``submit`` starts the jobs it is
+    given by id (the step's other loads stay unstarted) and refuses an id not in the step."""
+    from kvray.connector.metadata import KVRayConnectorMetadata, LoadSpec
+    from kvray.connector.sides import CacheManager, TransferSide, TransferStore, ViewStore
+
+    h = harness_factory()
+    handler = h.worker.worker.handler
+    assert isinstance(handler, TransferSide) and isinstance(handler.store, TransferStore)
+    assert isinstance(h.sconn.manager, CacheManager) and isinstance(h.sconn.store, ViewStore)
+
+    def spec(b: int) -> LoadSpec:
+        return LoadSpec(req_id=f"r{b}", block_ids=[b], block_hashes=[bytes([b]) * 32], locs=[0])
+
+    meta = KVRayConnectorMetadata(loads={5: spec(5), 6: spec(6)})
+    handler.submit([6], meta)
+    done = h.worker.worker.build_connector_worker_meta()
+    assert done is not None and done.completed_jobs == {6: 1} and done.failed_jobs == {6: 1}
+    assert handler.load_errors() == {6}
+    with pytest.raises(KeyError, match="not in this step"):
+        handler.submit([99], meta)
+
+
 def test_full_prompt_hit_leaves_one_token(harness_factory: Any) -> None:
     h = harness_factory()
     p = prompt(4 * BLOCK_SIZE, seed=2)  # exactly 4 full blocks

@@ -15,7 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 HEAVY = ("ray", "vllm", "pyarrow", "kvray.actors", "kvray.disk")
-SERVER = ("kvray.actors.deploy", "kvray.actors.pool", "kvray.actors.index", "kvray.disk")
+SERVER = (
+    "kvray.actors.deploy",
+    "kvray.actors.reconciler",
+    "kvray.actors.pool",
+    "kvray.actors.index",
+    "kvray.actors.changelog",
+    "kvray.disk",
+)
 
 #: module -> what importing it must not load (a name or any of its submodules).
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -35,6 +42,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kvray.client": (*SERVER, "pyarrow", "vllm", "torch"),
     # The connector (in vLLM's processes): the worker side never imports server code.
     "kvray.connector.worker": (
+        *SERVER,
+        "kvray.actors",
+        "pyarrow",
+        "kvray.client",
+        "kvray.blockio",
+        "kvray.feed",
+    ),
+    # The connector's seams (Protocols only): nothing of the client or the server either.
+    "kvray.connector.sides": (
         *SERVER,
         "kvray.actors",
         "pyarrow",

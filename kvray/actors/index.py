@@ -5,7 +5,7 @@ sends each shard its part of every change as a versioned :class:`ShardBatch` (fi
 one stream per pool and shard). A shard applies batches to a :class:`HolderTable` (numpy, one
 entry per block), appends the blocks whose location code changed to a bounded change log, and
 answers long polls with numpy arrays. A version gap or a new pool incarnation makes it rebuild
-that pool's entries from the pool's inventory; the reconciler (:mod:`kvray.actors.deploy`)
+that pool's entries from the pool's inventory; the reconciler (:mod:`kvray.actors.reconciler`)
 tells it each tick which pools are alive and which update version each has sent, so a lost
 update or a dead pool is noticed within a tick or two. The shard holds nothing the pools do not:
 a restarted shard (``max_restarts``) rebuilds itself, and clients get a snapshot (new epoch).
@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 
+from kvray.actors.changelog import ChangeLog
 from kvray.config import KVRayConfig
 from kvray.meta.holders import PLACEMENT_BASE, Diff, HolderTable
 from kvray.meta.messages import (
@@ -38,12 +37,11 @@ from kvray.meta.messages import (
 )
 from kvray.metrics import IndexMetrics
 
+if TYPE_CHECKING:
+    from kvray.handles import PoolHandle
+
 logger = logging.getLogger(__name__)
 
-#: Upper bound on entries kept in the change log; clients further behind get a snapshot.
-MAX_LOG_ENTRIES = 1_000_000
-#: Upper bound on entries in one feed answer (about 10 bytes each).
-MAX_REPLY_ENTRIES = 1_000_000
 #: Batches of one pool held while an earlier one is late, and how long one may be late.
 MAX_EARLY = 256
 MAX_GAP_S = 2.0
@@ -54,7 +52,7 @@ STALE_VERDICT_S = 10.0
 @dataclass
 class _Pool:
     info: NodeInfo
-    handle: Any = None
+    handle: PoolHandle | None = None
     incarnation: str = ""
     version: int = 0
     healthy: bool = False
@@ -71,9 +69,9 @@ class IndexShard:
     """One shard of the global index (an async Ray actor)."""
 
     def __init__(
-        self, config: dict[str, Any], shard: int = 0, num_shards: int = 1, *, run: bool = False
+        self, config: KVRayConfig, shard: int = 0, num_shards: int = 1, *, run: bool = False
     ) -> None:
-        self._cfg = KVRayConfig.from_dict(config)
+        self._cfg = config
         self._ns = self._cfg.namespace
         self._shard = shard
         self._num_shards = num_shards
@@ -81,11 +79,7 @@ class IndexShard:
         self._holders = HolderTable()
         self._pools: dict[int, _Pool] = {}
         self._nodes_version = 0
-        self._seq = 0
-        self._log_floor = 0  # seq of the newest record dropped from the log
-        self._log: deque[tuple[np.ndarray, np.ndarray]] = deque()
-        self._log_entries = 0
-        self._changed: asyncio.Event | None = None
+        self._feed = ChangeLog()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._applied = 0
@@ -102,28 +96,6 @@ class IndexShard:
         )
 
     # ------------------------------------------------------------------ feed
-    def _event(self) -> asyncio.Event:
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
-    def _notify(self) -> None:
-        """Wake every long poll and barrier waiting for a change."""
-        self._event().set()
-        self._changed = asyncio.Event()
-
-    def _record(self, diff: Diff) -> None:
-        if not len(diff):
-            return
-        self._seq += 1
-        self._log.append((diff.ids, diff.locs))
-        self._log_entries += len(diff)
-        while self._log_entries > MAX_LOG_ENTRIES and len(self._log) > 1:
-            ids, _ = self._log.popleft()
-            self._log_entries -= int(ids.size)
-            self._log_floor += 1
-        self._notify()
-
     def _nodes(self) -> dict[int, NodeInfo]:
         return {slot: p.info for slot, p in self._pools.items() if p.healthy}
 
@@ -147,7 +119,7 @@ class IndexShard:
         return Changes(
             shard=self._shard,
             epoch=self._epoch,
-            seq=self._seq,
+            seq=self._feed.seq,
             ids=empty,
             locs=empty.astype(np.uint16),
             stopped=True,
@@ -157,34 +129,22 @@ class IndexShard:
         """Records after ``since``; waits up to ``wait_s`` for one (a long poll, not a spin)."""
         if self._stopping:
             return self._stopped()
-        if epoch != self._epoch or since < self._log_floor or since > self._seq:
+        if epoch != self._epoch or since < self._feed.floor or since > self._feed.seq:
             return self._snapshot()
-        if since == self._seq and wait_s > 0:
-            event = self._event()
+        if since == self._feed.seq and wait_s > 0:
+            event = self._feed.event()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=wait_s)
             if self._stopping:
                 return self._stopped()
-            if since < self._log_floor:
+            if since < self._feed.floor:
                 return self._snapshot()
-        ids: list[np.ndarray] = []
-        locs: list[np.ndarray] = []
-        n = 0
-        seq = since
-        for rec_ids, rec_locs in itertools.islice(self._log, since - self._log_floor, None):
-            ids.append(rec_ids)
-            locs.append(rec_locs)
-            seq += 1
-            n += int(rec_ids.size)
-            if n >= MAX_REPLY_ENTRIES:
-                break
-        if not ids:
-            return self._reply(_EMPTY_IDS, _EMPTY_LOCS, seq, snapshot=False)
-        return self._reply(np.concatenate(ids), np.concatenate(locs), seq, snapshot=False)
+        ids, locs, seq = self._feed.read(since)
+        return self._reply(ids, locs, seq, snapshot=False)
 
     def _snapshot(self) -> Changes:
         ids, locs = self._holders.visible()
-        return self._reply(ids, locs, self._seq, snapshot=True)
+        return self._reply(ids, locs, self._feed.seq, snapshot=True)
 
     async def barrier(self, timeout: float = 10.0) -> tuple[str, int]:
         """(epoch, seq) once every update a healthy pool sent before this call is applied.
@@ -209,8 +169,8 @@ class IndexShard:
                 if left <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._event().wait(), timeout=left)
-        return self._epoch, self._seq
+                    await asyncio.wait_for(self._feed.event().wait(), timeout=left)
+        return self._epoch, self._feed.seq
 
     # ------------------------------------------------------------------ updates from pools
     async def update(self, slot: int, incarnation: str, version: int, batch: ShardBatch) -> None:
@@ -256,11 +216,13 @@ class IndexShard:
         t0 = time.thread_time()
         slot = pool.info.slot
         h = self._holders
-        h.seq, h.reuse_floor = self._seq + 1, self._log_floor
+        h.seq, h.reuse_floor = self._feed.seq + 1, self._feed.floor
         d1 = h.remove(slot, batch.rm_ids, batch.rm_shards)
         d2 = h.add(slot, batch.add_ids, batch.add_shards, batch.add_nshards, batch.add_unique)
         self._applied += len(batch)
-        self._record(Diff(np.concatenate((d1.ids, d2.ids)), np.concatenate((d1.locs, d2.locs))))
+        self._feed.record(
+            Diff(np.concatenate((d1.ids, d2.ids)), np.concatenate((d1.locs, d2.locs)))
+        )
         self._busy_s += time.thread_time() - t0
 
     def _spawn_resync(self, slot: int, why: str) -> None:
@@ -292,15 +254,15 @@ class IndexShard:
         if self._pools.get(slot) is not pool:
             return  # removed meanwhile
         h = self._holders
-        h.seq, h.reuse_floor = self._seq + 1, self._log_floor
-        self._record(h.replace(slot, inv.ids, inv.shards, inv.nshards))
+        h.seq, h.reuse_floor = self._feed.seq + 1, self._feed.floor
+        self._feed.record(h.replace(slot, inv.ids, inv.shards, inv.nshards))
         pool.incarnation, pool.version, pool.lag_ticks = inv.incarnation, inv.version, 0
         pool.resynced_at = time.monotonic()
         self._catch_up(pool)  # batches sent while the inventory was on its way
         if not pool.healthy:
             pool.healthy = True
             self._nodes_version += 1
-            self._notify()
+            self._feed.notify()
         logger.info(
             "kvray index %d: pool slot %d resynced (%s): %d blocks",
             self._shard,
@@ -312,9 +274,9 @@ class IndexShard:
     def _purge(self, pool: _Pool, why: str) -> None:
         """Forget everything a pool holds (it died or stopped answering)."""
         h = self._holders
-        h.seq, h.reuse_floor = self._seq + 1, self._log_floor
+        h.seq, h.reuse_floor = self._feed.seq + 1, self._feed.floor
         diff = h.purge(pool.info.slot)
-        self._record(diff)
+        self._feed.record(diff)
         if len(diff):
             self._metrics.purged(len(diff))
             logger.warning(
@@ -327,7 +289,7 @@ class IndexShard:
         if pool.healthy:
             pool.healthy = False
             self._nodes_version += 1
-            self._notify()
+            self._feed.notify()
 
     @staticmethod
     def _stale_verdict(pool: _Pool, st: PoolStatus) -> bool:
@@ -368,7 +330,7 @@ class IndexShard:
             else:
                 pool.lag_ticks = 0
         self._metrics.size(len(self._holders), sum(p.healthy for p in self._pools.values()))
-        self._metrics.memory(self._nbytes(), self._log_entries)
+        self._metrics.memory(self._nbytes(), self._feed.entries)
 
     # ------------------------------------------------------------------ queries
     def locate(self, ids: np.ndarray) -> np.ndarray:
@@ -376,23 +338,22 @@ class IndexShard:
         return self._holders.locs(np.asarray(ids, dtype=np.uint64))
 
     def current(self) -> tuple[str, int]:
-        return self._epoch, self._seq
+        return self._epoch, self._feed.seq
 
     def _nbytes(self) -> int:
-        log = sum(int(i.nbytes + c.nbytes) for i, c in self._log)
-        return self._holders.nbytes + log
+        return self._holders.nbytes + self._feed.nbytes
 
     def stats(self) -> dict[str, Any]:
         return {
             "shard": self._shard,
             "epoch": self._epoch,
-            "seq": self._seq,
+            "seq": self._feed.seq,
             "keys": len(self._holders),
             "blocks": len(self._holders),
             "multi_holder_blocks": len(self._holders.multi),
             "placements": len(self._holders.placements),
             "pools": sum(1 for p in self._pools.values() if p.healthy),
-            "log_entries": self._log_entries,
+            "log_entries": self._feed.entries,
             "applied": self._applied,
             "busy_s": self._busy_s,
             "resyncs": self._resyncs,
@@ -403,7 +364,7 @@ class IndexShard:
     def shutdown(self) -> None:
         """Answer every long poll with ``stopped`` (before ``kvray.stop`` kills the actors)."""
         self._stopping = True
-        self._notify()
+        self._feed.notify()
 
 
 def _rss() -> int:
@@ -414,10 +375,6 @@ def _rss() -> int:
         return int(psutil.Process().memory_info().rss)
     except Exception:
         return 0
-
-
-_EMPTY_IDS = np.zeros(0, dtype=np.uint64)
-_EMPTY_LOCS = np.zeros(0, dtype=np.uint16)
 
 
 #: The actor; created with ``run=True`` so that it starts its threads in every incarnation.

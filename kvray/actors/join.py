@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import random
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
 from kvray.errors import NotStartedError, StoreUnavailableError
 from kvray.meta.messages import RAY_NAMESPACE, control_name
+
+if TYPE_CHECKING:
+    from kvray.handles import ControlHandle
 
 __all__ = ["ensure_ray", "get_control", "local_node_id"]
 
@@ -33,7 +36,7 @@ def local_node_id() -> str:
     return os.environ.get(NODE_ENV) or ray.get_runtime_context().get_node_id()
 
 
-def get_control(namespace: str) -> Any:
+def get_control(namespace: str) -> ControlHandle:
     """The reconciler of a namespace, or :class:`NotStartedError`."""
     try:
         return ray.get_actor(control_name(namespace), namespace=RAY_NAMESPACE)

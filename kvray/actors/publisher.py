@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
+from ray import ObjectRef
 
 from kvray.handles import HandleCache
 from kvray.meta.ids import index_shard_of
 from kvray.meta.messages import ShardBatch, index_name
 from kvray.threads import SupervisedThread
+
+if TYPE_CHECKING:
+    from kvray.actors.index import IndexShard
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +75,10 @@ class IndexPublisher:
         self._buffers = [_Buffer() for _ in range(num_shards)]
         self._versions = [0] * num_shards
         self._names = [index_name(namespace, s) for s in range(num_shards)]
-        self._handles = HandleCache()
-        self._last: list[Any] = [None] * num_shards  # the last update sent to each shard
+        self._handles: HandleCache[IndexShard] = HandleCache()
+        self._last: list[ObjectRef[None] | None] = [
+            None
+        ] * num_shards  # the last update sent to each shard
         self._stop = threading.Event()
         self._interval_s = PUBLISH_INTERVAL_S
         self._thread = SupervisedThread(

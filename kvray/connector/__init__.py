@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvray.client import Store
+
 _T = TypeVar("_T")
 
 __all__ = [
@@ -170,7 +172,7 @@ class KVRayConnector(KVConnectorBase_V1):
             if is_scheduler
             else (_tp_rank(vllm_config), _layout_hint(vllm_config, self.key_space))
         )
-        self.store: Any = open_store(self.config, subscribe=is_scheduler)
+        self.store: Store = open_store(self.config, subscribe=is_scheduler)
         parallel = vllm_config.parallel_config
         self.connector_scheduler: KVRayConnectorScheduler | None = None
         self.connector_worker: KVRayConnectorWorker | None = None

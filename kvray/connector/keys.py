@@ -228,7 +228,7 @@ def build_key_space(
         )
     variant = ""
     if current_platform.device_type == "cpu":
-        from kvray.kernels.layout import detect_cpu_attention_isa
+        from kvray.kernels.detect import detect_cpu_attention_isa
 
         variant = detect_cpu_attention_isa(spec.dtype, cache.block_size, spec.head_size)
         if not variant:

@@ -11,37 +11,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import numpy as np
 
 from kvray.blocks import Fetched
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import JobId, KVRayConnectorMetadata, LoadSpec
 from kvray.connector.paged import Source
+from kvray.connector.sides import TransferStore
 from kvray.kernels.heads import HeadPart
 from kvray.meta.ids import key_ids
 
 __all__ = ["LoadJob", "TransferStore"]
-
-
-class TransferStore(Protocol):
-    """What the handler needs of a :class:`kvray.Store` (no view: workers keep none)."""
-
-    tally: Any
-    io: Any
-
-    def fetch_from(
-        self,
-        keys: list[bytes],
-        ids: np.ndarray,
-        shard: int,
-        slots: list[int],
-        pools: dict[int, str],
-        timeout: float,
-    ) -> Fetched: ...
-
-    def verify(self, fetched: Fetched, sums: list[int | None] | None = None) -> int: ...
 
 
 @dataclass

@@ -18,11 +18,12 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvray.connector.keys import EngineKeySpace
+from kvray.connector.sides import ViewStore
 from kvray.meta.holders import decode_slots, split_positions
 from kvray.meta.idtable import IdTable
 
@@ -39,17 +40,6 @@ MAX_ANNOUNCED = 1 << 20
 MAX_PENDING = 1 << 16
 #: Events kept for ``take_events`` (the engine drains them every step).
 MAX_EVENTS = 1 << 16
-
-
-class ViewStore(Protocol):
-    """What the manager needs of a subscribed :class:`kvray.Store`."""
-
-    tally: Any
-
-    @property
-    def feed(self) -> Any: ...
-
-    def lookup(self, keys: Sequence[bytes]) -> int: ...
 
 
 @dataclass
@@ -77,7 +67,7 @@ class KVRayCacheManager:
     ) -> None:
         self.key_space = key_space
         self.store = store
-        self.view: LocalView = store.feed.view
+        self.view: LocalView = store.local_view()
         self.block_size = key_space.block_size
         self.events_enabled = events
         self._lock = threading.Lock()
@@ -119,7 +109,7 @@ class KVRayCacheManager:
             if best == len(block_hashes):
                 break
         if best > found:  # the store counted these blocks as misses
-            self.store.tally.add(hit_blocks=best - found, miss_blocks=found - best)
+            self.store.count(hit_blocks=best - found, miss_blocks=found - best)
         return best, grouping
 
     def present(self, block_hashes: Sequence[bytes]) -> np.ndarray:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from kvray.kernels import StagingPool, StagingPoolExhausted
+from kvray.kernels import KVCacheLayout, StagingLease, StagingPool, StagingPoolExhausted
 from kvray.kernels.heads import HeadPart, assemble, window
+from kvray.kernels.torch_ops import RowsHook
 
 __all__ = ["Mover", "PagedCopier", "Source"]
 
@@ -29,11 +30,18 @@ Source = tuple[Sequence[np.ndarray], HeadPart]
 class Mover(Protocol):
     """What the copier needs of :class:`kvray.kernels.BlockMover`."""
 
-    layout: Any
+    layout: KVCacheLayout
 
-    def gather(self, block_ids: list[int], out: torch.Tensor) -> Any: ...
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> None: ...
 
-    def scatter(self, block_ids: list[int], src: torch.Tensor, **kwargs: Any) -> Any: ...
+    def scatter(
+        self,
+        block_ids: list[int],
+        src: torch.Tensor,
+        on_rows: RowsHook | None = None,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> None: ...
 
 
 class PagedCopier:
@@ -150,7 +158,7 @@ class PagedCopier:
                 if lease is not None:
                     lease.release()
 
-    def lease(self, n: int) -> Any | None:
+    def lease(self, n: int) -> StagingLease | None:
         """Staging rows for ``n`` blocks without waiting (None when the pool is full)."""
         if n > self.staging.max_blocks:
             return None

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvray.config import KVRayConfig
 from kvray.connector.keys import EngineKeySpace
-from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,
@@ -36,6 +35,7 @@ from kvray.connector.metadata import (
     StoreSpec,
     TransferCounters,
 )
+from kvray.connector.sides import CacheManager, ViewStore
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -89,7 +89,7 @@ class KVRayConnectorScheduler:
         self,
         config: KVRayConfig,
         key_space: EngineKeySpace,
-        manager: KVRayCacheManager,
+        manager: CacheManager,
         *,
         world_size: int,
     ) -> None:
@@ -360,7 +360,7 @@ class KVRayConnectorScheduler:
 
     # ---------------------------------------------------------------- introspection
     @property
-    def store(self) -> Any:
+    def store(self) -> ViewStore:
         """The (subscribed) store client the manager looks up in."""
         return self.manager.store
 

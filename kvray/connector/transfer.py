@@ -14,9 +14,9 @@ error path whatever the load mode:
   on as load errors: vLLM recomputes them; a load never crashes the engine and never waits past
   its deadline.
 - a **store** gathers blocks into staging rows (in pieces that fit the staging pool; while its
-  rows are held by puts in flight, into a buffer of the piece's own) and hands them to ``put``,
-  which copies them into Ray in the background (bytes in flight bounded by
-  ``max_inflight_put_bytes``).
+  rows are held by puts in flight, into a buffer of the piece's own) and hands them to
+  ``put_shard``, which copies them into Ray in the background (bytes in flight bounded by
+  ``max_inflight_put_bytes``): :mod:`kvray.connector.saves`.
 
 Completions are reported as ``{job_id: 1}`` per rank in :class:`KVRayWorkerMetadata`.
 """
@@ -26,28 +26,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import replace
 
 import torch
 
 from kvray.blocks import checksum
 from kvray.config import KVRayConfig
 from kvray.connector.keys import EngineKeySpace
-from kvray.connector.loads import LoadJob, TransferStore
+from kvray.connector.loads import LoadJob
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,
     KVRayWorkerMetadata,
     LoadSpec,
     ReqId,
-    StoreSpec,
+    TransferCounters,
 )
 from kvray.connector.paged import Mover, PagedCopier
+from kvray.connector.saves import StorePath
+from kvray.connector.sides import TransferStore
 from kvray.kernels import StagingPool
 from kvray.kernels.heads import head_parts
-from kvray.meta.ids import key_ids
+from kvray.meta.messages import PutResult
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class _Layers:
         self.future: Future[None] | None = None
 
 
-class TransferHandler:
+class TransferHandler(StorePath):
     """Executes one TP rank's load and store jobs and reports them."""
 
     def __init__(
@@ -118,9 +120,38 @@ class TransferHandler:
         self._finished_recving: set[ReqId] = set()
         self._failed_recving: set[ReqId] = set()
         self._load_errors: set[int] = set()
-        self._puts: dict[JobId, list[Future[Any]]] = {}
+        self._puts: dict[JobId, list[Future[PutResult]]] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._layers: _Layers | None = None
+
+    # ---------------------------------------------------------------- jobs
+    def submit(self, job_ids: Iterable[JobId], meta: KVRayConnectorMetadata) -> None:
+        """Start jobs of this step by id, each a load or a store of ``meta``: one entry for
+        every job and every load mode. Loads start as the mode says (``sync``: run here,
+        ``async``: on the loader thread, ``layerwise``: together on the loader, a layer at a
+        time); stores are gathered now and put in the background."""
+        self.finish_layers()  # defensive: the previous step's loads are complete
+        ids = list(job_ids)
+        unknown = [j for j in ids if j not in meta.loads and j not in meta.stores]
+        if unknown:
+            raise KeyError(f"kvray: jobs {unknown} are not in this step's metadata")
+        loads = [j for j in ids if j in meta.loads]
+        if loads:
+            if len(loads) < len(meta.loads):
+                meta = replace(meta, loads={j: meta.loads[j] for j in loads})
+            self.submit_loads(meta)
+        for j in ids:
+            spec = meta.stores.get(j)
+            if spec is not None:
+                self.submit_store(j, spec)
+
+    def wait(self, layer_name: str | None = None) -> None:
+        """Until this step's loads have filled ``layer_name`` (None: every layer, checksums
+        included); bounded by the load deadline."""
+        if layer_name is None:
+            self.finish_layers()
+        else:
+            self.wait_for_layer(layer_name)
 
     # ---------------------------------------------------------------- loads
     def submit_loads(self, meta: KVRayConnectorMetadata) -> None:
@@ -284,101 +315,8 @@ class TransferHandler:
             self._load_errors.update(bad)
             self._meta.mark(job.job_id, ok=not bad)
         if job.done and self.tp_rank == 0:  # one rank counts tokens for the dashboard
-            self.store.tally.add(tokens_loaded=job.done * self.key_space.block_size)
+            self.store.count(tokens_loaded=job.done * self.key_space.block_size)
         return not bad
-
-    # ---------------------------------------------------------------- stores
-    def submit_store(self, job_id: JobId, spec: StoreSpec) -> None:
-        """Gather the job's blocks into staging (in pieces that fit) and put them; a piece
-        that fails is dropped (counted) and the job reported failed, so the scheduler plans
-        those blocks again. Once this returns no save reads vLLM's blocks."""
-        n = len(spec.block_ids)
-        if not self.is_writer or not n:
-            self._mark_store(job_id, spec, [], ok=True)
-            return
-        futures: list[Future[Any]] = []
-        ok = True
-        step = max(1, self.staging.max_blocks)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            fut = self._put_piece(spec, a, b)
-            if fut is None:
-                ok = False
-                with self._lock:
-                    self._meta.counters.dropped_blocks += n - a
-                break
-            futures.append(fut)
-        self._mark_store(job_id, spec, futures, ok=ok)
-
-    def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[Any] | None:
-        lease = self.copier.lease(b - a)
-        try:
-            # Staging rows still held by puts in flight: a buffer of the piece's own, not a
-            # dropped save (a request that finishes is never offered again). Bytes in flight
-            # stay bounded: beyond max_inflight_put_bytes the put is refused, the job replanned.
-            buf = (
-                lease.tensor[: b - a]
-                if lease is not None
-                else torch.empty((b - a, self.block_nbytes), dtype=torch.uint8)
-            )
-            self.mover.gather(spec.block_ids[a:b], buf)
-            keys = self.key_space.block_keys(spec.block_hashes[a:b])
-            fut = self.store.io.put(
-                keys, key_ids(keys), self.shard, self.key_space.num_shards, buf.numpy()
-            )
-        except Exception:
-            logger.exception("kvray: a save of %d blocks failed", b - a)
-            if lease is not None:
-                lease.release()
-            return None
-        fut.add_done_callback(lambda f: self._put_done(b - a, f, lease))
-        return fut
-
-    def _put_done(self, n: int, fut: Future[Any], lease: Any) -> None:
-        if lease is not None:
-            lease.release()  # the staging rows are reusable once Ray owns a copy
-        with self._lock:
-            c = self._meta.counters
-            try:
-                r = fut.result()
-                c.stored_blocks += r.stored
-                c.duplicate_blocks += r.duplicate
-                c.refused_blocks += r.refused
-                c.stored_bytes += r.stored * self.block_nbytes
-            except Exception as e:
-                logger.warning("kvray: a put of %d blocks failed: %s", n, e)
-                c.refused_blocks += n
-
-    def _mark_store(
-        self, job_id: JobId, spec: StoreSpec, futures: list[Future[Any]], *, ok: bool
-    ) -> None:
-        """The job completes when every piece is owned by a pool (or failed)."""
-        if spec.finish:
-            with self._lock:  # the paged blocks are no longer read: vLLM may free them
-                self._finished_sending.add(spec.req_id)
-        if not futures:
-            with self._lock:
-                self._meta.mark(job_id, ok=ok)
-            return
-        left = [len(futures)]
-        failed = [not ok]
-
-        def one_done(f: Future[Any]) -> None:
-            try:
-                r = f.result()
-                failed[0] = failed[0] or r.refused > 0
-            except Exception:
-                failed[0] = True
-            with self._lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    self._puts.pop(job_id, None)
-                    self._meta.mark(job_id, ok=not failed[0])
-
-        with self._lock:
-            self._puts[job_id] = futures
-        for f in futures:
-            f.add_done_callback(one_done)
 
     # ---------------------------------------------------------------- reports
     def get_finished(self) -> tuple[set[ReqId], set[ReqId], set[ReqId]]:
@@ -405,19 +343,8 @@ class TransferHandler:
             meta, self._meta = self._meta, KVRayWorkerMetadata()
         return meta
 
-    def counters(self) -> Any:
+    def counters(self) -> TransferCounters:
         return self._meta.counters
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait for puts in flight (tests, shutdown)."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            pending = [f for fs in self._puts.values() for f in fs]
-        for fut in pending:
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                logger.debug("kvray: a put failed at flush", exc_info=True)
 
     def shutdown(self) -> None:
         self.finish_layers()

@@ -14,7 +14,6 @@ once ``wait_for_save`` returns no save reads vLLM's paged blocks any more. Loads
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
@@ -26,7 +25,8 @@ from kvray.connector.metadata import (
     ReqId,
     TransferCounters,
 )
-from kvray.connector.transfer import TransferHandler, TransferStore
+from kvray.connector.sides import TransferSide, TransferStore
+from kvray.connector.transfer import TransferHandler
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
 from kvray.kernels.heads import is_head_major
 
@@ -53,7 +53,7 @@ class KVRayConnectorWorker:
         self.handler: TransferHandler | None = None
 
     @property
-    def _h(self) -> TransferHandler:
+    def _h(self) -> TransferSide:
         if self.handler is None:
             raise RuntimeError("kvray connector: register_kv_caches was not called")
         return self.handler
@@ -120,19 +120,18 @@ class KVRayConnectorWorker:
     # hook is a no-op when there is nothing to do; work planned without caches is an error.
     def start_load_kv(self, meta: KVRayConnectorMetadata) -> None:
         if self.handler is not None or meta.loads:
-            self._h.submit_loads(meta)
+            self._h.submit(meta.loads, meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.handler is not None:
-            self.handler.wait_for_layer(layer_name)
+            self.handler.wait(layer_name)
 
     def wait_for_save(self, meta: KVRayConnectorMetadata) -> None:
         if self.handler is None and not meta.stores:
             return
         h = self._h
-        h.finish_layers()
-        for job_id, spec in meta.stores.items():
-            h.submit_store(job_id, spec)
+        h.wait()  # this step's loads are in place before its stores read the blocks
+        h.submit(meta.stores, meta)
 
     def handle_preemptions(self, meta: KVRayConnectorMetadata) -> None:
         """Nothing to fence: saves copy blocks out inside ``wait_for_save`` of their step."""
@@ -153,8 +152,10 @@ class KVRayConnectorWorker:
         return self._h.counters()
 
     @property
-    def staging(self) -> Any:
-        return self._h.staging
+    def staging(self) -> StagingPool:
+        if self.handler is None:
+            raise RuntimeError("kvray connector: register_kv_caches was not called")
+        return self.handler.staging
 
     def flush(self, timeout: float = 30.0) -> None:
         if self.handler is not None:

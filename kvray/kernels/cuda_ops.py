@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvray.kernels.layout import CopyPlan
+from kvray.kernels.plan import CopyPlan
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvray.kernels.layout import CopyPlan, KVCacheLayout, build_copy_plan
+from kvray.kernels.plan import CopyPlan, build_copy_plan
+from kvray.kernels.shape import KVCacheLayout
 from kvray.kernels.torch_ops import RowsHook, TorchMover
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvray.kernels.layout import CopyPlan
+from kvray.kernels.plan import CopyPlan
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,149 @@
+"""The worker side's store path (part of :class:`~kvray.connector.transfer.TransferHandler`).
+
+A store job's blocks are gathered into staging rows (in pieces that fit the staging pool; while
+its rows are held by puts in flight, into a buffer of the piece's own) and handed to the store's
+``put_shard``, which copies them into Ray in the background (bytes in flight bounded by
+``max_inflight_put_bytes``). The job completes when every piece is owned by a pool, or failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from kvray.connector.keys import EngineKeySpace
+from kvray.connector.metadata import JobId, KVRayWorkerMetadata, ReqId, StoreSpec
+from kvray.connector.paged import Mover, PagedCopier
+from kvray.connector.sides import TransferStore
+from kvray.kernels import StagingLease, StagingPool
+from kvray.meta.ids import key_ids
+from kvray.meta.messages import PutResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StorePath"]
+
+
+class StorePath:
+    """Store jobs: gather, put, report. Mixed into the transfer handler, whose state it shares
+    (under the handler's lock)."""
+
+    key_space: EngineKeySpace
+    store: TransferStore
+    mover: Mover
+    staging: StagingPool
+    copier: PagedCopier
+    shard: int
+    is_writer: bool
+    block_nbytes: int
+    _lock: threading.Lock
+    _meta: KVRayWorkerMetadata
+    _finished_sending: set[ReqId]
+    _puts: dict[JobId, list[Future[PutResult]]]
+
+    def submit_store(self, job_id: JobId, spec: StoreSpec) -> None:
+        """Gather the job's blocks into staging (in pieces that fit) and put them; a piece
+        that fails is dropped (counted) and the job reported failed, so the scheduler plans
+        those blocks again. Once this returns no save reads vLLM's blocks."""
+        n = len(spec.block_ids)
+        if not self.is_writer or not n:
+            self._mark_store(job_id, spec, [], ok=True)
+            return
+        futures: list[Future[PutResult]] = []
+        ok = True
+        step = max(1, self.staging.max_blocks)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            fut = self._put_piece(spec, a, b)
+            if fut is None:
+                ok = False
+                with self._lock:
+                    self._meta.counters.dropped_blocks += n - a
+                break
+            futures.append(fut)
+        self._mark_store(job_id, spec, futures, ok=ok)
+
+    def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[PutResult] | None:
+        lease = self.copier.lease(b - a)
+        try:
+            # Staging rows still held by puts in flight: a buffer of the piece's own, not a
+            # dropped save (a request that finishes is never offered again). Bytes in flight
+            # stay bounded: beyond max_inflight_put_bytes the put is refused, the job replanned.
+            buf = (
+                lease.tensor[: b - a]
+                if lease is not None
+                else torch.empty((b - a, self.block_nbytes), dtype=torch.uint8)
+            )
+            self.mover.gather(spec.block_ids[a:b], buf)
+            keys = self.key_space.block_keys(spec.block_hashes[a:b])
+            fut = self.store.put_shard(
+                keys, key_ids(keys), self.shard, self.key_space.num_shards, buf.numpy()
+            )
+        except Exception:
+            logger.exception("kvray: a save of %d blocks failed", b - a)
+            if lease is not None:
+                lease.release()
+            return None
+        fut.add_done_callback(lambda f: self._put_done(b - a, f, lease))
+        return fut
+
+    def _put_done(self, n: int, fut: Future[PutResult], lease: StagingLease | None) -> None:
+        if lease is not None:
+            lease.release()  # the staging rows are reusable once Ray owns a copy
+        with self._lock:
+            c = self._meta.counters
+            try:
+                r = fut.result()
+                c.stored_blocks += r.stored
+                c.duplicate_blocks += r.duplicate
+                c.refused_blocks += r.refused
+                c.stored_bytes += r.stored * self.block_nbytes
+            except Exception as e:
+                logger.warning("kvray: a put of %d blocks failed: %s", n, e)
+                c.refused_blocks += n
+
+    def _mark_store(
+        self, job_id: JobId, spec: StoreSpec, futures: list[Future[PutResult]], *, ok: bool
+    ) -> None:
+        """The job completes when every piece is owned by a pool (or failed)."""
+        if spec.finish:
+            with self._lock:  # the paged blocks are no longer read: vLLM may free them
+                self._finished_sending.add(spec.req_id)
+        if not futures:
+            with self._lock:
+                self._meta.mark(job_id, ok=ok)
+            return
+        left = [len(futures)]
+        failed = [not ok]
+
+        def one_done(f: Future[PutResult]) -> None:
+            try:
+                r = f.result()
+                failed[0] = failed[0] or r.refused > 0
+            except Exception:
+                failed[0] = True
+            with self._lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._puts.pop(job_id, None)
+                    self._meta.mark(job_id, ok=not failed[0])
+
+        with self._lock:
+            self._puts[job_id] = futures
+        for f in futures:
+            f.add_done_callback(one_done)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for puts in flight (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            pending = [f for fs in self._puts.values() for f in fs]
+        for fut in pending:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                logger.debug("kvray: a put failed at flush", exc_info=True)

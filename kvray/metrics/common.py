@@ -1,0 +1,36 @@
+"""What the metrics sets share: a stand-in where Ray metrics cannot be recorded, counters
+exported from 0, latency buckets."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ray.util import metrics
+
+__all__ = ["LATENCY_BOUNDARIES", "PROMOTE_FAILURE_CAUSES", "Disabled", "export_zero"]
+
+
+class Disabled:
+    """Stands in for a metrics set where Ray metrics cannot be recorded (unit tests)."""
+
+    def __getattr__(self, name: str) -> object:
+        return noop
+
+
+def noop(*args: object, **kwargs: object) -> None:
+    return None
+
+
+#: Why a read of a block held on disk failed (``promote_failed_<cause>`` in a pool's stats).
+PROMOTE_FAILURE_CAUSES = ("no_room", "corrupt", "io")
+
+
+def export_zero(counter: metrics.Counter, tags: dict[str, str]) -> None:
+    """Export ``counter`` at 0 for ``tags`` before its first event. ``Counter.inc`` refuses
+    0; ``_record`` is what it calls. Best effort: without it the series starts at its first
+    event, as Ray's counters do."""
+    with contextlib.suppress(Exception):
+        counter._record(0, tags=tags)
+
+
+LATENCY_BOUNDARIES = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]

@@ -1,0 +1,214 @@
+"""Metrics of a client process (a vLLM scheduler or worker, a driver): Ray metrics created
+once per process, fed from plain counters that hot paths bump (:class:`ClientTally`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from ray.util import metrics
+
+from kvray.metrics.common import LATENCY_BOUNDARIES, export_zero
+
+if TYPE_CHECKING:
+    from kvray.feed import Subscriber
+
+__all__ = ["ClientMetrics", "ClientTally", "ViewTally"]
+
+
+class ClientMetrics:
+    """Per-process figures of a client (a vLLM scheduler or worker, a driver).
+
+    Created lazily, once per process, so that importing kvray never touches Ray's metrics.
+    """
+
+    _instance: ClientMetrics | None = None
+
+    def __init__(self) -> None:
+        keys = ("namespace",)
+        self.lookups = metrics.Counter(
+            "kvray_lookups", "Prefix lookups answered from the local view", tag_keys=keys
+        )
+        self.lookup_hits = metrics.Counter(
+            "kvray_lookup_hit_blocks", "Blocks found by prefix lookups", tag_keys=keys
+        )
+        self.lookup_misses = metrics.Counter(
+            "kvray_lookup_miss_blocks", "Blocks asked for by lookups and not found", tag_keys=keys
+        )
+        self.lookup_latency = metrics.Histogram(
+            "kvray_lookup_latency_s",
+            "Latency of a prefix lookup",
+            boundaries=[1e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2],
+            tag_keys=keys,
+        )
+        self.tokens_loaded = metrics.Counter(
+            "kvray_tokens_loaded",
+            "Prompt tokens loaded from kvray instead of computed",
+            tag_keys=keys,
+        )
+        self.bytes_loaded = metrics.Counter(
+            "kvray_bytes_loaded", "Bytes read from pools by this process", tag_keys=keys
+        )
+        self.bytes_stored = metrics.Counter(
+            "kvray_bytes_stored", "Bytes handed to pools by this process", tag_keys=keys
+        )
+        self.load_latency = metrics.Histogram(
+            "kvray_load_latency_s",
+            "Latency of one get (lease, read, verify)",
+            boundaries=LATENCY_BOUNDARIES,
+            tag_keys=keys,
+        )
+        self.store_latency = metrics.Histogram(
+            "kvray_store_latency_s",
+            "Latency of one put, from call to pool ownership",
+            boundaries=LATENCY_BOUNDARIES,
+            tag_keys=keys,
+        )
+        self.view_blocks = metrics.Gauge(
+            "kvray_view_blocks", "Visible blocks in this process's local view", tag_keys=keys
+        )
+        self.view_bytes = metrics.Gauge(
+            "kvray_view_bytes", "Memory of this process's local view", tag_keys=keys
+        )
+        self.lost_blocks = metrics.Counter(
+            "kvray_lost_blocks",
+            "Blocks a get could not serve (evicted, dead node, corrupt)",
+            tag_keys=keys,
+        )
+
+    @classmethod
+    def get(cls) -> ClientMetrics:
+        if cls._instance is None:
+            cls._instance = ClientMetrics()
+        return cls._instance
+
+    def export_zero(self, namespace: str) -> None:
+        """Export this process's counters of ``namespace`` from 0 (a new store client)."""
+        tags = {"namespace": namespace}
+        for counter in (
+            self.lookups,
+            self.lookup_hits,
+            self.lookup_misses,
+            self.tokens_loaded,
+            self.bytes_loaded,
+            self.bytes_stored,
+            self.lost_blocks,
+        ):
+            export_zero(counter, tags)
+
+
+class ClientTally:
+    """Plain counters bumped on hot paths and flushed to Ray metrics about once a second.
+
+    A Ray metric update costs 2-3 us; a lookup must cost less than that, so hot paths only
+    add to ints here, under one lock (``+=`` on an attribute is a read, an add and a write: two
+    threads can interleave and lose an update whatever the GIL). Latency lists are bounded
+    should the flushing thread be stuck.
+    """
+
+    MAX_SAMPLES = 10_000
+    COUNTERS = (
+        "lookups",
+        "hit_blocks",
+        "miss_blocks",
+        "bytes_loaded",
+        "bytes_stored",
+        "lost",
+        "tokens_loaded",
+    )
+
+    def __init__(self, namespace: str) -> None:
+        self.tags = {"namespace": namespace}
+        self._lock = threading.Lock()
+        self.lookups = 0
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+        self.latencies: list[float] = []
+        self.bytes_loaded = 0
+        self.bytes_stored = 0
+        self.lost = 0
+        self.tokens_loaded = 0
+        self.load_latencies: list[float] = []
+        self.store_latencies: list[float] = []
+        self.view_blocks = -1
+        self.view_bytes = 0
+
+    def add(self, **counts: int) -> None:
+        """Add to counters by name (``tally.add(lost=3)``); thread-safe."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def looked_up(self, hits: int, misses: int, seconds: float) -> None:
+        """One lookup (the hot path: one lock, no keyword dict)."""
+        with self._lock:
+            self.lookups += 1
+            self.hit_blocks += hits
+            self.miss_blocks += misses
+            if len(self.latencies) < self.MAX_SAMPLES:
+                self.latencies.append(seconds)
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            values: list[float] = getattr(self, name)
+            if len(values) < self.MAX_SAMPLES:
+                values.append(seconds)
+
+    def take(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+        """The counts and samples since the last take, zeroed (what :meth:`flush` sends)."""
+        with self._lock:
+            counts = {name: getattr(self, name) for name in self.COUNTERS}
+            for name in self.COUNTERS:
+                setattr(self, name, 0)
+            samples = {
+                "latencies": self.latencies,
+                "load_latencies": self.load_latencies,
+                "store_latencies": self.store_latencies,
+            }
+            self.latencies, self.load_latencies, self.store_latencies = [], [], []
+        return counts, samples
+
+    def flush(self) -> None:
+        m = ClientMetrics.get()
+        t = self.tags
+        counts, samples = self.take()
+        for name, counter in (
+            ("lookups", m.lookups),
+            ("hit_blocks", m.lookup_hits),
+            ("miss_blocks", m.lookup_misses),
+            ("bytes_loaded", m.bytes_loaded),
+            ("bytes_stored", m.bytes_stored),
+            ("lost", m.lost_blocks),
+            ("tokens_loaded", m.tokens_loaded),
+        ):
+            n = counts[name]
+            if n > 0:
+                counter.inc(n, tags=t)
+            elif n < 0:  # taken back after the flush (manager.py moves misses to hits)
+                self.add(**{name: n})
+        for name, hist in (
+            ("latencies", m.lookup_latency),
+            ("load_latencies", m.load_latency),
+            ("store_latencies", m.store_latency),
+        ):
+            for v in samples[name]:
+                hist.observe(v, tags=t)
+        if self.view_blocks >= 0:
+            m.view_blocks.set(self.view_blocks, tags=t)
+            m.view_bytes.set(self.view_bytes, tags=t)
+
+
+class ViewTally(ClientTally):
+    """A store's tally: each flush (about once a second, from the data path's maintenance
+    thread) also reports the size of the store's view (``kvray_view_blocks`` / ``_bytes``)."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(namespace)
+        self.feed: Subscriber | None = None
+
+    def flush(self) -> None:
+        feed = self.feed
+        if feed is not None:
+            view = feed.view
+            self.view_blocks, self.view_bytes = len(view), view.nbytes
+        super().flush()
