@@ -52,6 +52,9 @@ def publish_interval(num_pools: int) -> float:
     return max(PUBLISH_INTERVAL_S, num_pools / SHARD_MESSAGES_PER_S)
 
 
+#: An idle publisher (nothing buffered) wakes this often to notice a dead shard's last update
+#: and look up missing handles; a change wakes it at once.
+IDLE_CHECK_S = 1.0
 #: A buffer of this many entries is sent at once.
 MAX_BUFFERED = 1 << 17
 
@@ -80,6 +83,7 @@ class IndexPublisher:
             None
         ] * num_shards  # the last update sent to each shard
         self._stop = threading.Event()
+        self._dirty = threading.Event()  # something was buffered since the last flush
         self._interval_s = PUBLISH_INTERVAL_S
         self._thread = SupervisedThread(
             self._run,
@@ -97,6 +101,8 @@ class IndexPublisher:
 
     def stop(self, timeout: float = 5.0) -> bool:
         """Stop the thread (what is still buffered is not sent); True once it has ended."""
+        self._stop.set()
+        self._dirty.set()
         return self._thread.stop(timeout)
 
     @property
@@ -104,7 +110,13 @@ class IndexPublisher:
         return self._thread.deaths
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        """Sleep until a change is buffered (or ``IDLE_CHECK_S``), let ``interval_s`` of
+        changes gather, send them: an idle pool's publisher wakes once a second, not 50 times."""
+        while not self._stop.is_set():
+            self._dirty.wait(IDLE_CHECK_S)
+            if self._stop.wait(self._interval_s):
+                return
+            self._dirty.clear()
             self._check_sent()
             self._resolve()
             try:
@@ -147,6 +159,7 @@ class IndexPublisher:
                 buf = self._buffers[s]
                 buf.add.append((ids[idx], shards[idx], nshards[idx]))
                 buf.size += int(idx.size)
+                self._dirty.set()
                 if buf.size >= MAX_BUFFERED:
                     self._send(s)
 
@@ -161,6 +174,7 @@ class IndexPublisher:
                     buf = self._buffers[s]
                 buf.rm.append((ids[idx], shards[idx]))
                 buf.size += int(idx.size)
+                self._dirty.set()
                 if buf.size >= MAX_BUFFERED:
                     self._send(s)
 
