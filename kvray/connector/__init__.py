@@ -5,7 +5,9 @@
 A thin facade in the style of vLLM's ``OffloadingConnector``: the scheduler role delegates to
 :class:`KVRayConnectorScheduler`, the worker role to :class:`KVRayConnectorWorker`. Every key of
 ``kv_connector_extra_config`` is validated by :class:`kvray.KVRayConfig` when the engine starts;
-``kv_load_failure_policy`` must be ``"recompute"`` (vLLM's default ``"fail"`` is refused).
+``kv_load_failure_policy`` must be ``"recompute"`` (vLLM's default ``"fail"`` is refused); inside
+vLLM's ``MultiConnector`` that is the engine's top-level policy, the one vLLM acts on
+(:mod:`kvray.connector.policy`).
 This package imports vLLM; ``import kvray`` does not import this package.
 """
 
@@ -24,11 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvray.config import ConfigError, KVRayConfig
+from kvray.config import KVRayConfig
 from kvray.connector.cluster import close_store, open_store
 from kvray.connector.keys import EngineKeySpace, build_key_space
 from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import KVRayConnectorMetadata, KVRayWorkerMetadata
+from kvray.connector.policy import require_recompute_policy
 from kvray.connector.scheduler import KVRayConnectorScheduler
 from kvray.connector.worker import KVRayConnectorWorker
 from kvray.errors import KVRayError
@@ -57,24 +60,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _require_recompute_policy(vllm_config: VllmConfig) -> None:
-    """Fail closed unless vLLM recomputes what kvray fails to load.
-
-    vLLM's default ``kv_load_failure_policy`` is ``"fail"``: every eviction race or lost node
-    would then fail user requests instead of costing a recompute.
-    """
-    ktc = vllm_config.kv_transfer_config
-    policy = getattr(ktc, "kv_load_failure_policy", None)
-    if policy != "recompute":
-        raise ConfigError(
-            "kv_load_failure_policy",
-            policy,
-            "kvray is a cache whose blocks can be evicted or lost with their node between "
-            "lookup and load, and this policy fails the request instead of recomputing it; "
-            'set "kv_load_failure_policy": "recompute" in --kv-transfer-config',
-        )
 
 
 def _layout_hint(vllm_config: VllmConfig, key_space: EngineKeySpace) -> str | None:
@@ -160,7 +145,7 @@ class KVRayConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _require_recompute_policy(vllm_config)
+        require_recompute_policy(self, vllm_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = KVRayConfig.from_dict(extra)
         self.key_space: EngineKeySpace = build_key_space(self.config, vllm_config, kv_cache_config)

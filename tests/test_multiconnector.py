@@ -1,0 +1,402 @@
+"""kvray as a child of vLLM's ``MultiConnector``, next to vLLM's ``ExampleConnector`` (real vLLM
+on the CPU, tiny float32 Llama, one kvray namespace for the module).
+
+``MultiConnector`` hands each child a copy of the engine's config whose ``kv_transfer_config``
+is built from the child's entry alone: it carries vLLM's default ``kv_load_failure_policy``
+(``"fail"``) whatever the engine's is. vLLM acts on the engine's top-level policy, so that is
+the one kvray checks: a MultiConnector engine with ``"recompute"`` at the top starts, one with
+``"fail"`` there is refused with one clear message. End to end: both connectors save, either
+loads (kvray first, ExampleConnector when kvray lost the blocks), and a kvray load that fails
+while the other connector has nothing is recomputed, with the tokens of a recompute every time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import numpy as np
+import torch
+from vllm_helpers import (
+    BLOCK_SIZE,
+    build_tiny_llama,
+    cached_tokens,
+    close_llm,
+    connector_of,
+    engine_kwargs,
+    generate,
+    kvray_transfer_config,
+    make_prompts,
+    token_ids,
+    worker_connector_of,
+)
+
+import kvray
+from kvray.config import ConfigError
+
+pytestmark = [pytest.mark.vllm]
+
+NUM_LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
+
+NESTED_POLICY_MESSAGE = (
+    "kvray config: invalid kv_load_failure_policy='fail': kvray is a cache whose blocks can be "
+    "evicted or lost with their node between lookup and load, and this policy fails the "
+    'request instead of recomputing it; set "kv_load_failure_policy": "recompute" in '
+    '--kv-transfer-config at the top level, next to "kv_connector": "MultiConnector" (vLLM '
+    "acts on the engine's policy, not on the entries of the connectors inside MultiConnector)"
+)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Two prompts of 240 tokens with nothing in common (no prefix hit of one on the other)."""
+    return [make_prompts(1, 200, 40, seed=seed + i)[0] for i in range(2)]
+
+
+#: Tokens a complete hit of a 240-token prompt covers in either connector: 7 whole blocks.
+FULL_HIT = (240 - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def multi_transfer_config(
+    namespace: str,
+    storage: str | os.PathLike[str],
+    *,
+    policy: str | None = "recompute",
+    kvray_policy: str | None = None,
+    **kvray_extra: Any,
+) -> dict[str, Any]:
+    """A ``MultiConnector`` of kvray then ExampleConnector; ``policy`` is the engine's (top
+    level), ``kvray_policy`` the one written in kvray's own entry (None: not written)."""
+    child = kvray_transfer_config(namespace, **kvray_extra)
+    del child["kv_load_failure_policy"]
+    if kvray_policy is not None:
+        child["kv_load_failure_policy"] = kvray_policy
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    ktc: dict[str, Any] = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [child, example]},
+    }
+    if policy is not None:
+        ktc["kv_load_failure_policy"] = policy
+    return ktc
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("multi-model"), layers=NUM_LAYERS, kv_heads=KV_HEADS
+    )
+
+
+@pytest.fixture(scope="module")
+def module_ns(ray_cluster: Any) -> Iterator[str]:
+    ns = f"mc{uuid.uuid4().hex[:8]}"
+    kvray.start(namespace=ns, capacity="128MiB", health_check_interval_s=0.5)
+    try:
+        yield ns
+    finally:
+        kvray.stop(ns)
+
+
+@pytest.fixture(scope="module")
+def in_process() -> Iterator[None]:
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+# ------------------------------------------------------------------ start-up
+
+
+def _vllm_config(model: str, ktc: dict[str, Any]) -> Any:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    return VllmConfig(
+        model_config=ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(**ktc),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def _kv_cache_config() -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
+
+
+def _multi_connector(vllm_config: Any, role: str) -> Any:
+    """vLLM's MultiConnector, built as vLLM's scheduler and workers build it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    return KVConnectorFactory.create_connector(
+        vllm_config, KVConnectorRole[role], _kv_cache_config()
+    )
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize(
+    ("policy", "kvray_policy"),
+    [("recompute", None), ("recompute", "fail")],
+    ids=["kvray-entry-default", "kvray-entry-fail"],
+)
+def test_a_child_of_a_recomputing_engine_starts(
+    tiny_model: str,
+    module_ns: str,
+    tmp_path: Path,
+    role: str,
+    policy: str,
+    kvray_policy: str | None,
+) -> None:
+    from kvray.connector import KVRayConnector
+
+    ktc = multi_transfer_config(
+        module_ns, tmp_path, policy=policy, kvray_policy=kvray_policy, auto_start=False
+    )
+    vllm_config = _vllm_config(tiny_model, ktc)
+    multi = _multi_connector(vllm_config, role)
+    try:
+        kv, example = multi.sub_connectors
+        assert isinstance(kv, KVRayConnector) and type(example).__name__ == "ExampleConnector"
+        # The copy of the config vLLM hands kvray says "fail"; the engine's, which vLLM acts
+        # on, says "recompute".
+        assert kv._kv_transfer_config.kv_load_failure_policy == "fail"
+        assert vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+        assert kv.config.namespace == module_ns
+        assert (kv.connector_scheduler is not None) == (role == "SCHEDULER")
+    finally:
+        multi.shutdown()
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize(
+    ("policy", "kvray_policy"),
+    [(None, None), ("fail", "recompute")],
+    ids=["engine-default", "engine-fail-kvray-entry-recompute"],
+)
+def test_a_child_of_a_failing_engine_is_refused(
+    tiny_model: str, tmp_path: Path, role: str, policy: str | None, kvray_policy: str | None
+) -> None:
+    # Refused before Ray is touched: a namespace nobody started.
+    ns = f"never{uuid.uuid4().hex[:6]}"
+    ktc = multi_transfer_config(
+        ns, tmp_path, policy=policy, kvray_policy=kvray_policy, auto_start=False
+    )
+    vllm_config = _vllm_config(tiny_model, ktc)
+    assert vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
+    with pytest.raises(ConfigError) as info:
+        _multi_connector(vllm_config, role).shutdown()  # shut down only after a regression
+    assert str(info.value) == NESTED_POLICY_MESSAGE
+    assert info.value.field_name == "kv_load_failure_policy"
+
+
+def test_an_engine_with_the_fail_policy_at_the_top_refuses_to_start(
+    tiny_model: str, module_ns: str, in_process: None, tmp_path: Path
+) -> None:
+    """The real engine (built before the module's engine: one in-process engine at a time)."""
+    from vllm import LLM
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    ktc = multi_transfer_config(module_ns, tmp_path, policy="fail", kvray_policy="recompute")
+    llm = None
+    try:
+        with pytest.raises(ConfigError, match=re.escape(NESTED_POLICY_MESSAGE)):
+            llm = LLM(**engine_kwargs(tiny_model, kv_transfer_config=ktc))
+            generate(llm, [[5] * 40], max_tokens=2)  # reached only by a regression
+    finally:
+        if llm is not None:
+            close_llm(llm)
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+# ------------------------------------------------------------------ end to end
+
+
+@dataclass
+class MultiEngine:
+    llm: Any
+    ns: str
+    storage: Path
+
+    @property
+    def kv(self) -> Any:
+        """kvray's scheduler-role child."""
+        return connector_of(self.llm).sub_connectors[0]
+
+    @property
+    def kv_worker(self) -> Any:
+        """kvray's worker-role child (in-process, single rank)."""
+        return worker_connector_of(self.llm).sub_connectors[0].worker
+
+    def settle(self) -> None:
+        """kvray's saves stored and visible to the scheduler."""
+        self.kv_worker.flush()
+        self.kv.store.sync()
+
+    def kvray_present(self, prompt: list[int]) -> int:
+        """Leading blocks of ``prompt`` the scheduler sees in kvray."""
+        hashes = _block_hashes(prompt)[: FULL_HIT // BLOCK_SIZE]
+        return int(self.kv.store.lookup(self.kv.key_space.block_keys(hashes)))
+
+    def pool_hits(self) -> int:
+        return int(self.kv.store.stats()["totals"]["hits"])
+
+    def failed_blocks(self) -> int:
+        return int(
+            self.kv_worker.counters().failed_blocks + self.kv.scheduler.counters.failed_blocks
+        )
+
+    def example_folders(self) -> set[str]:
+        return set(os.listdir(self.storage))
+
+    def run(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """Generate with vLLM's own prefix cache emptied: what is not loaded is computed."""
+        assert self.llm.reset_prefix_cache()
+        outs = generate(self.llm, prompts)
+        return token_ids(outs), cached_tokens(outs)
+
+
+@pytest.fixture(scope="module")
+def engine(
+    tiny_model: str, module_ns: str, in_process: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MultiEngine]:
+    from vllm import LLM
+
+    storage = tmp_path_factory.mktemp("example-connector")
+    ktc = multi_transfer_config(module_ns, storage, get_timeout_s=10)
+    llm = LLM(**engine_kwargs(tiny_model, kv_transfer_config=ktc))
+    try:
+        yield MultiEngine(llm, module_ns, storage)
+    finally:
+        close_llm(llm)
+
+
+def _block_hashes(prompt: list[int]) -> list[bytes]:
+    """vLLM's block hashes of a prompt's full blocks, as this process' engine computes them."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+    if kcu.NONE_HASH is None:
+        init_none_hash(sha256)
+    parent, out = kcu.NONE_HASH, []
+    for i in range(len(prompt) // BLOCK_SIZE):
+        parent = hash_block_tokens(sha256, parent, prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+        out.append(bytes(parent))
+    return out
+
+
+def _cold(engine: MultiEngine, prompts: list[list[int]]) -> tuple[list[list[int]], set[str]]:
+    """A first run (nothing to load anywhere: computed), then both connectors' saves in place.
+    Returns the tokens and ExampleConnector's new folders (one per prompt)."""
+    before = engine.example_folders()
+    tokens, cached = engine.run(prompts)
+    assert cached == [0, 0], "not a cold run"
+    engine.settle()
+    assert [engine.kvray_present(p) for p in prompts] == [FULL_HIT // BLOCK_SIZE] * 2
+    folders = engine.example_folders() - before
+    assert len(folders) == len(prompts)
+    for f in folders:
+        files = sorted(os.listdir(engine.storage / f))
+        assert files == [f"model.layers.{i}.self_attn.attn.safetensors" for i in range(NUM_LAYERS)]
+    return tokens, folders
+
+
+def _drop_from_kvray(keys: list[bytes], ids: np.ndarray, shard: int, pools: dict[int, str]) -> int:
+    """Blocks gone from every pool that may hold them (as when evicted or lost)."""
+    import ray
+
+    from kvray.meta.messages import RAY_NAMESPACE
+
+    dropped = 0
+    for name in set(pools.values()):
+        pool = ray.get_actor(name, namespace=RAY_NAMESPACE)
+        dropped += ray.get(pool.report_lost.remote(keys, ids, shard, "test"), timeout=30)
+    return dropped
+
+
+def test_both_save_and_either_loads(engine: MultiEngine) -> None:
+    from kvray.meta.ids import key_ids
+
+    prompts = _prompts(seed=100)
+    ref, _ = _cold(engine, prompts)
+
+    # kvray is first in the list: it loads, and its pool counts the hits.
+    hit_tokens, pool_hits = engine.kv.scheduler.hit_tokens, engine.pool_hits()
+    tokens, cached = engine.run(prompts)
+    assert tokens == ref
+    assert cached == [FULL_HIT, FULL_HIT]
+    assert engine.kv.scheduler.hit_tokens - hit_tokens == 2 * FULL_HIT
+    assert engine.pool_hits() - pool_hits >= 2 * FULL_HIT // BLOCK_SIZE
+
+    # kvray loses the blocks (and sees it): ExampleConnector's files are loaded instead.
+    keys = [k for p in prompts for k in engine.kv.key_space.block_keys(_block_hashes(p)[:7])]
+    assert _drop_from_kvray(keys, key_ids(keys), 0, engine.kv.store.io_pools()) == len(keys)
+    engine.kv.store.sync()
+    assert [engine.kvray_present(p) for p in prompts] == [0, 0]
+    hit_tokens = engine.kv.scheduler.hit_tokens
+    tokens, cached = engine.run(prompts)
+    assert tokens == ref
+    assert cached == [FULL_HIT, FULL_HIT]  # only ExampleConnector had them
+    assert engine.kv.scheduler.hit_tokens == hit_tokens
+
+
+def test_a_kvray_loss_with_nothing_elsewhere_is_recomputed(engine: MultiEngine) -> None:
+    """kvray plans a full hit, its blocks are gone when the worker reads them, and
+    ExampleConnector has nothing: vLLM recomputes under the engine's policy (kvray's own entry
+    never said "recompute"): the tokens of the cold run."""
+    prompts = _prompts(seed=200)
+    ref, folders = _cold(engine, prompts)
+    for f in folders:
+        shutil.rmtree(engine.storage / f)
+
+    store = engine.kv_worker.store
+    real_fetch = store.fetch_from
+    dropped: list[int] = []
+
+    def lost_then_fetched(
+        keys: list[bytes], ids: np.ndarray, shard: int, slots: Any, pools: dict[int, str], t: float
+    ) -> Any:
+        dropped.append(_drop_from_kvray(list(keys), ids, shard, pools))
+        return real_fetch(keys, ids, shard, slots, pools, t)
+
+    hit_tokens, failed = engine.kv.scheduler.hit_tokens, engine.failed_blocks()
+    store.fetch_from = lost_then_fetched
+    try:
+        tokens, _ = engine.run(prompts)
+    finally:
+        del store.fetch_from  # the class's method again
+    assert sum(dropped) > 0, "kvray never loaded: not the failure path"
+    assert engine.kv.scheduler.hit_tokens - hit_tokens == 2 * FULL_HIT  # planned from kvray
+    assert engine.failed_blocks() - failed == 2 * FULL_HIT // BLOCK_SIZE
+    assert tokens == ref
+    assert folders <= engine.example_folders(), "ExampleConnector saved the recompute again"
