@@ -33,6 +33,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kvray.keys": (*HEAVY, "torch"),
     "kvray.blocks": (*HEAVY, "torch"),
     "kvray.shutdown": (*HEAVY, "torch"),
+    "kvray.callers": (*HEAVY, "torch"),
     "kvray.meta": (*HEAVY, "torch"),
     "kvray.meta.view": (*HEAVY, "torch", "numba"),
     "kvray.meta.messages": (*HEAVY, "torch"),

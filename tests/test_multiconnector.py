@@ -400,3 +400,70 @@ def test_a_kvray_loss_with_nothing_elsewhere_is_recomputed(engine: MultiEngine) 
     assert engine.failed_blocks() - failed == 2 * FULL_HIT // BLOCK_SIZE
     assert tokens == ref
     assert folders <= engine.example_folders(), "ExampleConnector saved the recompute again"
+
+
+# ------------------------------------------------------------------ Ray Serve LLM
+
+
+def test_ray_serve_llm_multiconnector_backend_completes_the_deployment_config(
+    tiny_model: str, module_ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray Serve LLM's MultiConnectorBackend sets kvray's backend up on a deep copy of the
+    deployment's config; what kvray fills in must land in the config the engine is built from:
+    vLLM can then load kvray by name alone, and the engine's top-level policy is "recompute"."""
+    import ray
+
+    from kvray.actors.join import NODE_ENV
+    from kvray.serving.app import build_llm_config
+    from kvray.serving.backend import RESERVED_CPU_ENV, register_backend
+
+    # setup() exports these for the engine processes; the pytest process must not keep them
+    # (setenv first: monkeypatch restores only what it recorded, and delenv of an unset
+    # variable records nothing).
+    for name in (NODE_ENV, RESERVED_CPU_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    register_backend()
+    ns = module_ns
+    user_ktc = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "KVRayConnector", "kv_connector_extra_config": {"namespace": ns}},
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+                },
+            ]
+        },
+    }
+    cfg = build_llm_config(tiny_model, namespace=ns, router="pow2")
+    cfg.engine_kwargs["kv_transfer_config"] = user_ktc
+    cfg.setup_engine_backend()  # Ray's own path: factory -> MultiConnectorBackend.setup()
+
+    ktc = cfg.engine_kwargs["kv_transfer_config"]
+    assert ktc["kv_load_failure_policy"] == "recompute"
+    kv_entry = ktc["kv_connector_extra_config"]["connectors"][0]
+    assert kv_entry["kv_connector_module_path"] == "kvray.connector"
+    assert kv_entry["kv_role"] == "kv_both"
+    assert kv_entry["kv_connector_extra_config"] == {
+        "namespace": ns,
+        "address": ray.get_runtime_context().gcs_address,
+    }
+    assert os.environ[NODE_ENV] == ray.get_runtime_context().get_node_id()
+
+    # vLLM builds the engine's MultiConnector from exactly that config.
+    multi = _multi_connector(_vllm_config(tiny_model, ktc), "SCHEDULER")
+    try:
+        assert type(multi.sub_connectors[0]).__name__ == "KVRayConnector"
+    finally:
+        multi.shutdown()
+
+    # An explicit "fail" at the top level stops the replica's setup with kvray's message.
+    user_ktc["kv_load_failure_policy"] = "fail"
+    cfg = build_llm_config(tiny_model, namespace=ns, router="pow2")
+    cfg.engine_kwargs["kv_transfer_config"] = user_ktc
+    with pytest.raises(ConfigError, match="kvray inside MultiConnectorBackend needs the engine"):
+        cfg.setup_engine_backend()

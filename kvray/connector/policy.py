@@ -19,11 +19,11 @@ running, and its policy is the one checked.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+from kvray.callers import outermost_caller
 from kvray.config import ConfigError
 
 if TYPE_CHECKING:
@@ -32,11 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["enclosing_connector", "require_recompute_policy"]
 
 logger = logging.getLogger(__name__)
-
-#: How far up the stack a wrapping connector's ``__init__`` is looked for. vLLM's
-#: ``MultiConnector`` builds its children directly (one frame up); nested wrappers and
-#: subclasses calling ``super().__init__`` add a few frames each.
-MAX_FRAMES = 32
 
 _REASON = (
     "kvray is a cache whose blocks can be evicted or lost with their node between lookup and "
@@ -47,28 +42,12 @@ _FIX = 'set "kv_load_failure_policy": "recompute" in --kv-transfer-config'
 
 def enclosing_connector(connector: object) -> KVConnectorBase_V1 | None:
     """The outermost connector whose ``__init__`` is constructing ``connector`` (a wrapper such
-    as vLLM's ``MultiConnector``), or None when ``connector`` is the engine's own connector.
-
-    Only frames running an ``__init__`` with a ``self`` are inspected, at most
-    :data:`MAX_FRAMES` of them; ``connector``'s own constructors (a subclass's included) are
-    skipped. The outermost wrapper is the one vLLM's scheduler or worker built from the
-    engine's config.
-    """
-    found: KVConnectorBase_V1 | None = None
-    frame = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "__init__":
-            owner = frame.f_locals.get("self")
-            if (
-                owner is not connector
-                and isinstance(owner, KVConnectorBase_V1)
-                and getattr(owner, "_kv_transfer_config", None) is not None
-            ):
-                found = owner
-        frame = frame.f_back
-    return found
+    as vLLM's ``MultiConnector``, built by vLLM's scheduler or worker from the engine's
+    config), or None when ``connector`` is the engine's own connector."""
+    wrapper = outermost_caller(connector, KVConnectorBase_V1, "__init__")
+    if wrapper is None or getattr(wrapper, "_kv_transfer_config", None) is None:
+        return None
+    return wrapper
 
 
 def require_recompute_policy(connector: object, vllm_config: VllmConfig) -> None:

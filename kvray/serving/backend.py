@@ -6,7 +6,10 @@ engine starts. kvray's backend fills in what vLLM and kvray need in that replica
 connector class lives, its role, recompute on a failed load, the kvray namespace, and the Ray
 cluster address, so that vLLM's EngineCore and worker processes (children of the replica, not
 Ray workers themselves) join the replica's cluster. The extra config is validated there, so a
-bad key stops the replica with kvray's own message instead of an engine half started.
+bad key stops the replica with kvray's own message instead of an engine half started. Inside
+Ray Serve LLM's ``MultiConnector`` backend, which runs this one on a copy of the deployment's
+config, the same is filled into kvray's entry of the original (the engine is built from it),
+and the engine's top-level ``kv_load_failure_policy`` defaults to ``"recompute"``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
 
 from kvray.actors.join import NODE_ENV
+from kvray.callers import outermost_caller
 from kvray.config import ConfigError, KVRayConfig
 
 logger = logging.getLogger(__name__)
@@ -57,20 +61,11 @@ class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
         import ray
 
         ktc: dict[str, Any] = self.kv_transfer_config
-        module = ktc.setdefault("kv_connector_module_path", CONNECTOR_MODULE)
-        if module != CONNECTOR_MODULE:
-            raise ConfigError(
-                "kv_connector_module_path", module, f"KVRayConnector lives in {CONNECTOR_MODULE}"
-            )
-        ktc.setdefault("kv_role", "kv_both")
+        config = _complete_entry(ktc)  # fail here, with kvray's message
         ktc.setdefault("kv_load_failure_policy", "recompute")
-        extra = ktc.get("kv_connector_extra_config")
-        if extra is None:
-            extra = ktc["kv_connector_extra_config"] = {}
-        extra.setdefault("namespace", "default")
-        if ray.is_initialized():
-            extra.setdefault("address", ray.get_runtime_context().gcs_address)
-        config = KVRayConfig.from_dict(extra)  # fail here, with kvray's message
+        wrapper = outermost_caller(self, BaseConnectorBackend, "setup")
+        if wrapper is not None:
+            _complete_wrapper(wrapper.kv_transfer_config, type(wrapper).__name__)
         if ray.is_initialized():
             # vLLM's engine processes inherit it: they write to this replica's node's pool
             # even where Ray attaches them to another raylet of the host.
@@ -82,6 +77,48 @@ class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
         logger.info(
             "kvray backend: replica joins namespace %r at %s", config.namespace, config.address
         )
+
+
+def _complete_entry(ktc: dict[str, Any]) -> KVRayConfig:
+    """Fill in what vLLM and kvray need in kvray's ``kv_transfer_config`` (or its entry in a
+    MultiConnector's ``connectors``), then validate the extra config."""
+    import ray
+
+    module = ktc.setdefault("kv_connector_module_path", CONNECTOR_MODULE)
+    if module != CONNECTOR_MODULE:
+        raise ConfigError(
+            "kv_connector_module_path", module, f"KVRayConnector lives in {CONNECTOR_MODULE}"
+        )
+    ktc.setdefault("kv_role", "kv_both")
+    extra = ktc.get("kv_connector_extra_config")
+    if extra is None:
+        extra = ktc["kv_connector_extra_config"] = {}
+    extra.setdefault("namespace", "default")
+    if ray.is_initialized():
+        extra.setdefault("address", ray.get_runtime_context().gcs_address)
+    return KVRayConfig.from_dict(extra)
+
+
+def _complete_wrapper(ktc: dict[str, Any], name: str) -> None:
+    """kvray's backend run by a wrapping backend (Ray Serve LLM's ``MultiConnectorBackend``):
+    that one sets each child up on a deep copy of the deployment's config, while the engine is
+    built from the original. Complete kvray's entries in the original, and default the engine's
+    ``kv_load_failure_policy`` (the top-level one: the only one vLLM acts on) to
+    ``"recompute"``; an explicit other policy is refused here rather than by the engine."""
+    entries = (ktc.get("kv_connector_extra_config") or {}).get("connectors") or []
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("kv_connector") == CONNECTOR_NAME:
+            _complete_entry(entry)
+    policy = ktc.setdefault("kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ConfigError(
+            "kv_load_failure_policy",
+            policy,
+            f"kvray inside {name} needs the engine to recompute the blocks it fails to load: "
+            f'set "kv_load_failure_policy": "recompute" at the top level of '
+            "kv_transfer_config (the policy vLLM acts on)",
+        )
+    logger.info("kvray backend: completed kvray's entry of the %s config", name)
 
 
 def register_backend() -> None:
