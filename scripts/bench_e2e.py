@@ -130,6 +130,11 @@ def _engine_run(args: argparse.Namespace) -> dict[str, Any]:
         from peers import kv_transfer_config as lmcache_transfer_config
 
         ktc = lmcache_transfer_config(args.lmcache_port)
+        if args.phase == "read":
+            # A reader that does not store: with kv_both every finished request's blocks stay
+            # held until a later step reports its save done, so reset_prefix_cache() never
+            # succeeds between measurements (each step to free them leaves its own held).
+            ktc["kv_role"] = "kv_consumer"
     longest = max(len(p) for p in prompts.values())
     guard = contextlib.nullcontext()
     if args.connector == "lmcache":

@@ -132,14 +132,16 @@ def run_peers(args: argparse.Namespace) -> None:
             hits.setdefault(label, {})[n] = min(hits.get(label, {}).get(n, 1 << 30), *v)
         retries[label] = retries.get(label, 0) + out.get("reset_retries", 0)
 
-    def attempt(label: str, fn: Any, *a: Any) -> Any:
+    def attempt(label: str, fn: Any, *a: Any, **kw: Any) -> Any:
         """Run one contender's step; on failure keep its exact error, measure the others."""
         if label in errors:
             return None
         try:
-            return fn(*a)
+            return fn(*a, **kw)
         except Exception as e:
-            errors[label] = f"{type(e).__name__}: {e}"[-3000:]
+            lines = [ln for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
+            causes = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+            errors[label] = " | ".join(dict.fromkeys([lines[0][:600], *causes[-2:]]))
             traceback.print_exc()
             return None
 

@@ -233,6 +233,11 @@ def serve_llm_config(
         **kwargs,
     )
     cfg.engine_kwargs["kv_transfer_config"] = kv_transfer_config(port, host)
+    # Ray Serve LLM's engine metrics (RayPrometheusStatLogger) cannot carry LMCache's: its
+    # histogram has no buckets (lmcache/integration/vllm/lmcache_mp_metrics.py:75), which
+    # Ray's Histogram refuses (ray/util/metrics.py:267: "boundaries argument should be
+    # provided"), and the replica fails to start. The load generator measures TTFT/ITL.
+    cfg.log_engine_metrics = False
     return cfg
 
 
@@ -292,7 +297,7 @@ def serve_check() -> None:
     model = build_text_model(work / "model", hidden=256, layers=2, heads=4, kv_heads=2)
     srv = LMCacheServer(l1_size_gb=0.25, log=work / "server.log")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine_args = {
