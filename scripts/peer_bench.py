@@ -259,7 +259,11 @@ def _report(
 
     def cross(n: str) -> str:
         """LMCache's faster cross-node setup that ran (shared server over TCP, or P2P)."""
-        ran = [k for k in ("lmcache-node-b", "lmcache-p2p-node-b") if n in med.get(k, {})]
+        ran = [
+            k
+            for k in ("lmcache-node-b", "lmcache-p2p-node-b")
+            if n in med.get(k, {}) and hits.get(k, {}).get(n, 0) > 0  # a miss is no setup
+        ]
         best = min(ran, key=lambda k: med[k][n]) if ran else "lmcache-node-b"
         return ratio(best, "kvray-node-b", n)
 

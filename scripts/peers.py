@@ -159,7 +159,10 @@ class LMCacheServer(LMCacheProcess):
         ]  # fmt: skip
         env: dict[str, str] = {}
         if coordinator:
+            # Advertise the address the request server binds (default: the outbound IP, which
+            # --host localhost does not listen on: peers' lookups time out as misses).
             cmd += ["--coordinator-url", coordinator, "--coordinator-heartbeat-interval", "1"]
+            cmd += ["--coordinator-advertise-ip", "127.0.0.1"]
         if p2p_port:
             cmd += ["--p2p-advertise-url", f"127.0.0.1:{p2p_port}"]
             cmd += ["--p2p-transfer-engine", "nixl"]
@@ -310,11 +313,21 @@ def serve_check() -> None:
         "max_num_seqs": 2,
         "enable_prompt_tokens_details": True,
     }
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 2000) for _ in range(700)] for _ in range(3)]
+    from transformers import AutoTokenizer
 
-    def complete(tokens: list[int]) -> dict[str, Any]:
-        body = {"model": "peer", "prompt": tokens, "max_tokens": 8, "temperature": 0}
+    # Text prompts of ~700 tokens: Ray's PrefixCacheAffinityRouter divides by the prompt's
+    # text length (prefix_aware_router.py:268), so token-id prompts fail there.
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    prompts: list[str] = []
+    for _ in range(3):
+        words: list[str] = []
+        while len(tok(" ".join(words))["input_ids"]) < 700:
+            words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6)))
+        prompts.append(" ".join(words))
+
+    def complete(text: str) -> dict[str, Any]:
+        body = {"model": "peer", "prompt": text, "max_tokens": 8, "temperature": 0}
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
             json.dumps(body).encode(),
