@@ -242,6 +242,9 @@ def _report(
     print(f"{'tokens':>8} " + " ".join(f"{k:>15}" for k in med))
     for n in map(str, lengths):
         print(f"{n:>8} " + " ".join(f"{med[k].get(n, float('nan')):>15.4f}" for k in med))
+    best = {k: {n: round(min(v), 4) for n, v in d.items()} for k, d in samples.items()}
+    print("# TTFT minimum over all samples (the quietest moment of a shared box):")
+    print("# " + json.dumps(best))
     print("# cached tokens (min over repeats):", json.dumps(hits))
     print("# connector stall in the forward pass, median ms:", json.dumps(stall_med))
     for name, proc in procs.items():
