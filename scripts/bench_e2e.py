@@ -28,13 +28,18 @@ block) and a same-TP hit (the salted prompt again: 2 shards, stored by itself). 
 the scheduler's lookup (same-TP hit, cross-TP hit, miss) and, as the design check, the fetch of
 one block stored as 1 shard vs as per-head shards and the pool metadata per stored shard. Its
 last line is ``ratio cross_tp_hit_over_same_tp_hit=<x>`` at 2048 tokens (target <= 1.2).
-Usage: ``python scripts/bench_e2e.py [--quick] [--cross-tp]`` (joins RAY_ADDRESS, or starts a
-local Ray).
+``--peers`` runs only the comparison with LMCache (``scripts/peer_bench.py``, issue 21): TTFT
+of a hit at 512 / 2048 / 8192 tokens, the same node and from a second simulated node; its last
+line is ``ratio lmcache_over_kvray_ttft_2048=<x> lmcache_over_kvray_ttft_8192=<y>
+lmcache_over_kvray_cross_node=<z>``.
+Usage: ``python scripts/bench_e2e.py [--quick] [--cross-tp | --peers]`` (joins RAY_ADDRESS, or
+starts a local Ray; ``--peers`` starts its own 2-node cluster).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -71,27 +76,11 @@ def _prompts(lengths: list[int], repeats: int) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------------------- engine process
-def _engine_main(args: argparse.Namespace) -> None:
-    """One engine in this process; writes {mode: {length: [seconds...]}} and cached tokens."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams, TokensPrompt
+def _llm(args: argparse.Namespace, longest: int, ktc: dict[str, Any] | None) -> Any:
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm_helpers import kvray_transfer_config
 
-    prompts: dict[str, list[int]] = json.loads(Path(args.prompts).read_text())
-    ktc: dict[str, Any] | None = None
-    if args.connector == "kvray":
-        ktc = kvray_transfer_config(
-            args.namespace, load_mode=args.load_mode, capacity="3GiB", staging_bytes="512MiB"
-        )
-    elif args.connector == "example":
-        ktc = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": args.storage},
-        }
-    longest = max(len(p) for p in prompts.values())
-    llm = LLM(
+    return LLM(
         model=args.model,
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -106,6 +95,54 @@ def _engine_main(args: argparse.Namespace) -> None:
         seed=0,
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
     )
+
+
+def _engine_main(args: argparse.Namespace) -> None:
+    """One engine in this process; writes {mode: {length: [seconds...]}} and cached tokens."""
+    result = _engine_run(args)
+    Path(args.out).write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The results are written; skip interpreter teardown of vLLM + Ray in this throwaway
+    # process (it occasionally exits non-zero there, which says nothing about the numbers).
+    os._exit(0)
+
+
+def _engine_run(args: argparse.Namespace) -> dict[str, Any]:
+    """One in-process engine: the phase's measurements (also run inside a Ray actor)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams, TokensPrompt
+    from vllm_helpers import kvray_transfer_config
+
+    prompts: dict[str, list[int]] = json.loads(Path(args.prompts).read_text())
+    ktc: dict[str, Any] | None = None
+    if args.connector == "kvray":
+        ktc = kvray_transfer_config(
+            args.namespace, load_mode=args.load_mode, capacity="3GiB", staging_bytes="512MiB"
+        )
+    elif args.connector == "example":
+        ktc = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": args.storage},
+        }
+    elif args.connector == "lmcache":
+        from peers import kv_transfer_config as lmcache_transfer_config
+
+        ktc = lmcache_transfer_config(args.lmcache_port)
+        if args.phase == "read":
+            # A reader that does not store: with kv_both every finished request's blocks stay
+            # held until a later step reports its save done, so reset_prefix_cache() never
+            # succeeds between measurements (each step to free them leaves its own held).
+            ktc["kv_role"] = "kv_consumer"
+    longest = max(len(p) for p in prompts.values())
+    guard = contextlib.nullcontext()
+    if args.connector == "lmcache":
+        from peers import in_process_engine_guard
+
+        guard = in_process_engine_guard()
+    with guard:
+        llm = _llm(args, longest, ktc)
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def ttft(tokens: list[int], salt: str | None = None) -> tuple[float, int]:
@@ -115,6 +152,19 @@ def _engine_main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         (out,) = llm.generate([prompt], sp, use_tqdm=False)
         return time.perf_counter() - t0, int(out.num_cached_tokens or 0)
+
+    retries = [0]
+
+    def reset() -> None:
+        """``reset_prefix_cache()`` until it succeeds, so a hit is never vLLM's own: it fails
+        while a connector still holds a finished request's blocks (LMCache's save is reported
+        done at a later engine step); one tiny step lets the connector free them."""
+        for _ in range(100):
+            if llm.reset_prefix_cache():
+                return
+            retries[0] += 1
+            llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)
+        raise RuntimeError("reset_prefix_cache() failed 100 times: blocks still held")
 
     ttft([5, 6, 7] * 40)  # warm-up: first-call costs are nobody's TTFT
     result: dict[str, Any] = {}
@@ -130,7 +180,7 @@ def _engine_main(args: argparse.Namespace) -> None:
         hit: dict[str, list[float]] = {}
         for name, tokens in prompts.items():
             for _ in range(args.repeats):
-                llm.reset_prefix_cache()
+                reset()
                 rec.setdefault(name, []).append(ttft(tokens)[0])
                 hit.setdefault(name, []).append(ttft(tokens)[0])
         result = {"recompute": rec, "vllm-prefix-hit": hit}
@@ -157,19 +207,15 @@ def _engine_main(args: argparse.Namespace) -> None:
             setattr(group, hook, timed)
         for name, tokens in prompts.items():
             for _ in range(args.repeats):
-                llm.reset_prefix_cache()
+                reset()
                 stalled[0] = 0.0
                 t, c = ttft(tokens)
                 times.setdefault(name, []).append(t)
                 cached.setdefault(name, []).append(c)
                 stall.setdefault(name, []).append(stalled[0])
         result = {"times": times, "cached": cached, "stall": stall}
-    Path(args.out).write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The results are written; skip interpreter teardown of vLLM + Ray in this throwaway
-    # process (it occasionally exits non-zero there, which says nothing about the numbers).
-    os._exit(0)
+    result["reset_retries"] = retries[0]
+    return result
 
 
 def _flush_saves(_worker: Any) -> None:
@@ -341,7 +387,7 @@ def _run_engine(script_args: list[str], out: Path, env: dict[str, str]) -> dict[
 
 
 # ---------------------------------------------------------------------------- driver
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("cmd", nargs="?", default="bench", choices=["bench", "_engine"])
     ap.add_argument("--quick", action="store_true", help="512 and 2048 tokens, 3 repeats")
@@ -356,15 +402,28 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--model")
     ap.add_argument("--prompts")
-    ap.add_argument("--connector", choices=["none", "kvray", "example"], default="none")
+    ap.add_argument("--connector", choices=["none", "kvray", "example", "lmcache"], default="none")
     ap.add_argument("--phase", choices=["plain", "write", "read", "cross"], default="plain")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--namespace", default="bench")
     ap.add_argument("--load-mode", default="sync")
     ap.add_argument("--storage")
-    args = ap.parse_args()
+    ap.add_argument("--lmcache-port", type=int, default=0)
+    ap.add_argument(
+        "--peers", action="store_true", help="only the LMCache comparison (scripts/peer_bench.py)"
+    )
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.cmd == "_engine":
         _engine_main(args)
+        return
+    if args.peers:
+        from peer_bench import run_peers
+
+        run_peers(args)
         return
 
     t_start = time.perf_counter()

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p
 )
 
+import peers  # noqa: E402
 from ray_probe import cpu_by_process, cpu_delta, gcs_rpc_snapshot, metrics_urls  # noqa: E402
 
 MODEL = "bench"
@@ -59,6 +61,7 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "kvray-prefix": ("kvray", "prefix"),
     "off-pow2": ("none", "pow2"),
     "kvray-pow2": ("kvray", "pow2"),
+    "lmcache": ("lmcache", "prefix"),  # LMCache's MP connector, one shared server (peers.py)
 }
 #: Model presets (random float32 Llamas). ``gqa``: 4 KiB of KV and ~0.11 GFLOP per token,
 #: 36 KB of KV per GFLOP, in the range of real GQA models (Llama-3-8B in float32: 16 KB).
@@ -327,7 +330,11 @@ def main() -> None:
                 ns = f"bench{r}{cfg.replace('-', '')}"
                 if kv_cache == "kvray":
                     kvray.start(namespace=ns, capacity="256MiB")
-                app = build_app(
+                lmc = None  # LMCache: kvray's capacity (256 MiB x 2 nodes) in one server
+                if kv_cache == "lmcache":
+                    lmc = peers.LMCacheServer(l1_size_gb=0.5, log=work / f"lmcache{r}.log")
+                build = partial(peers.build_serve_app, port=lmc.port) if lmc else build_app
+                app = build(
                     model, namespace=ns, replicas=2, served_model_name=MODEL,
                     engine_args=engine_args, router=router, kv_cache=kv_cache, num_cpus=2,
                     kvray_config=json.loads(a.kvray_config) if kv_cache == "kvray" else None,
@@ -351,6 +358,8 @@ def main() -> None:
                         flush=True,
                     )
                 serve.delete(APP)
+                if lmc:
+                    lmc.stop()
                 if kv_cache == "kvray":
                     kvray.stop(ns)
     finally:
