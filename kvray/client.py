@@ -140,7 +140,7 @@ class Store:
         Blocks beyond ``max_inflight_put_bytes`` in flight are refused (counted)."""
         self._check_open("put")
         keys = check_keys(keys)
-        payload = as_blocks(blocks, len(keys))
+        payload = as_blocks(_stacked(blocks), len(keys))
         ids = key_ids(keys)
         todo = np.ones(len(keys), dtype=bool)
         if self.feed is not None and len(keys):
@@ -367,6 +367,30 @@ class _ViewTally(ClientTally):
             view = feed.view
             self.view_blocks, self.view_bytes = len(view), view.nbytes
         super().flush()
+
+
+#: Largest block a list of equal numpy blocks may have to be stacked into rows by ``put``.
+STACK_MAX_BYTES = 64 << 10
+
+
+def _stacked(blocks: Any) -> Any:
+    """A list of numpy blocks of one shape and dtype, each at most :data:`STACK_MAX_BYTES`, as
+    one array whose rows are the blocks (one copy of their bytes); anything else as it is.
+
+    A segment of rows is one buffer to Ray (client, pool and reader), a list one per block:
+    a list of 64-byte arrays went ~5x slower than rows of the same bytes (issue 21)."""
+    if not isinstance(blocks, list | tuple) or len(blocks) < 2:
+        return blocks
+    first = blocks[0]
+    if type(first) is not np.ndarray or first.dtype.hasobject:
+        return blocks
+    if not 0 < first.nbytes <= STACK_MAX_BYTES:
+        return blocks
+    shape, dtype = first.shape, first.dtype
+    for b in blocks:
+        if type(b) is not np.ndarray or b.shape != shape or b.dtype != dtype:
+            return blocks
+    return np.stack(blocks).reshape(len(blocks), -1)
 
 
 def _quick_keys(keys: list[Any]) -> list[bytes]:

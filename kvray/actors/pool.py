@@ -33,6 +33,7 @@ import numpy as np
 import ray
 from ray import ObjectRef
 
+from kvray.actors import slices
 from kvray.actors.leases import Held, Leases
 from kvray.actors.poolstate import STATS_COUNTERS, PoolState, Removed
 from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
@@ -230,12 +231,15 @@ class BlockPool:
         ids: np.ndarray,
         shards: np.ndarray | int,
         timeout: float | None = None,
+        remote: bool = False,
     ) -> LeaseReply:
         """Locate blocks (by id, then full key) and protect their segments from eviction
         until released; a key whose id matches another key's block reads as not found.
         Blocks held only on disk are promoted back to RAM, or served from their file when RAM
         is all leased (:mod:`.promote`), outside the lock, within ``timeout`` (the reader's
-        time left; default ``get_timeout_s``)."""
+        time left; default ``get_timeout_s``). ``remote``: the reader is on another node: it
+        gets a fresh object of just its blocks rather than a segment it reads little of
+        (:mod:`.slices`)."""
         left = self._get_timeout_s if timeout is None else max(0.0, float(timeout))
         deadline = time.monotonic() + 0.8 * left  # the reply must reach the reader in time
         pids = shard_ids(np.asarray(ids, dtype=np.uint64), shards)
@@ -250,6 +254,7 @@ class BlockPool:
             if pins:
                 failed = reads.promote(pins, deadline)
         direct: list[tuple[int, int, int]] = []
+        whole: dict[int, int] = {}  # bytes of the segments leased, for a remote reader
         held, refs = 0, []  # what reads served from files hold until the lease goes
         try:
             with self._lock:
@@ -270,10 +275,12 @@ class BlockPool:
                         if seg.in_ram:
                             st.ram.move_to_end(seg_id)
                         reply.segments[seg_id] = seg.ref
+                        whole[seg_id] = seg.meta.nbytes
                 if direct and reads is not None:
                     reads.pin_more(direct, pins)
             if direct and reads is not None:
                 held, refs = reads.serve(reply, direct, deadline)
+            cut, copied = slices.cut(reply, whole, deadline) if remote and whole else ([], 0)
         finally:
             with self._lock:
                 st.unlease(pins)
@@ -284,8 +291,10 @@ class BlockPool:
             missing = len(keys) - found
             st.counters.hits += found
             st.counters.misses += missing
-            if reply.segments:
-                mine = [s for s in reply.segments if s > 0]
+            st.unlease(cut)  # served from objects of their own: no lease needed
+            st.counters.sliced_bytes += copied
+            mine = [s for s in reply.segments if s > 0 and s not in cut]
+            if mine or held or refs:
                 self._leases.add(reply.lease_id, mine, held, refs)
                 st.counters.leases += 1
         self._metrics.looked_up(found, missing)

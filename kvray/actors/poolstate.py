@@ -60,6 +60,7 @@ STATS_COUNTERS = (
     "collisions",
     "stored_bytes",
     "served_bytes",
+    "sliced_bytes",
     "puts",
 )
 
@@ -78,6 +79,7 @@ class Counters:
     collisions: int = 0
     stored_bytes: int = 0
     served_bytes: int = 0
+    sliced_bytes: int = 0  # copied into objects of their own for readers on other nodes
     puts: int = 0
     leases: int = 0
     promoted: int = 0  # read back from disk into RAM
