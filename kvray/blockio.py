@@ -5,7 +5,9 @@
   ``ray.put``s it and hands the ref to the pool; the Future resolves when the pool owns it.
 - ``read``: blocks are leased from the pools the caller names (a view's location codes, or the
   locations a vLLM scheduler put in the connector metadata) and mapped zero-copy. The pool
-  compares full keys, so a read never returns another key's bytes.
+  compares full keys, so a read never returns another key's bytes. A pool on another node
+  serves a read of part of a segment from a fresh object of just those blocks
+  (:mod:`kvray.actors.slices`): a remote read moves what it loads, not whole segments.
 - ``verify``: xxh3 of what was read against what was stored; a mismatch is reported to its pool.
 - Leases of zero-copy reads go back in batches, once a second, from a maintenance thread that
   also flushes the hot-path tallies to Ray metrics; a copying read (``Store.get``) gives its
@@ -235,7 +237,11 @@ class BlockIO:
         for slot, idx in by_slot.items():
             try:
                 lease_refs[slot] = self.handle(pools[slot]).lease.remote(
-                    [keys[i] for i in idx], ids[idx], shard, max(0.0, deadline - time.monotonic())
+                    [keys[i] for i in idx],
+                    ids[idx],
+                    shard,
+                    max(0.0, deadline - time.monotonic()),
+                    remote=pools[slot] != self.local_pool,
                 )
             except Exception as e:
                 lost.update(dict.fromkeys(idx, f"pool unavailable ({type(e).__name__})"))

@@ -38,6 +38,7 @@ from kvray.blocks import (
     check_timeout,
     checksum,
     quick_keys,
+    stacked,
 )
 from kvray.config import KVRayConfig
 from kvray.errors import BlockLostError, InvalidArgumentError, StoreUnavailableError
@@ -153,7 +154,7 @@ class Store:
         Blocks beyond ``max_inflight_put_bytes`` in flight are refused (counted)."""
         self._check_open("put")
         keys = check_keys(keys)
-        payload = as_blocks(blocks, len(keys))
+        payload = as_blocks(stacked(blocks), len(keys))
         ids = key_ids(keys)
         todo = np.ones(len(keys), dtype=bool)
         if self.feed is not None and len(keys):

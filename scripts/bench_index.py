@@ -11,10 +11,14 @@ and index kvray used before: one Python dict entry per key, one key per TP shard
 - snapshot time of a new subscriber at ``--blocks`` blocks;
 - lookup p50/p99 of a 64-block prompt (keys -> ids -> prefix) at ``--blocks`` blocks;
 - bytes per block in a view, in the index (with its change log), in a pool's metadata;
-- end to end through the public API: tiny blocks put by one client -> visible in another's view.
+- end to end through the public API: tiny blocks put by one client -> visible in another's view,
+  65,536 blocks a put as one 2D array, and (issue 21) 2,000 blocks a put as one 2D array and as
+  a list of 1D arrays (the same bytes).
 
 Last line: ``ratio ingest_keys_per_s=<x> view_bytes_per_block=<y> index_bytes_per_block=<z>
-lookup_p99_us=<w>`` (targets: x >= 1,000,000; y <= 32; z <= 64; w <= 30).
+lookup_p99_us=<w> e2e_2d_keys_s=<a> e2e_list_keys_s=<b> list_over_2d=<b/a>`` (targets:
+x >= 1,000,000; y <= 32; z <= 64; w <= 30; b/a >= 0.5). ``--e2e-only``: the end-to-end part
+alone (its figures and a last line ``ratio e2e_2d_keys_s=... list_over_2d=...``).
 """
 
 from __future__ import annotations
@@ -365,8 +369,9 @@ def cluster_phase(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def e2e_phase(n: int) -> dict[str, float]:
-    """Tiny blocks through the public API: put by one client, visible in another's view."""
+def e2e_phase(n: int, per_put: int = 65536, shape: str = "2d") -> dict[str, float]:
+    """Tiny blocks through the public API: put by one client, visible in another's view.
+    ``per_put`` blocks a put, as one 2D array (``shape="2d"``) or a list of 1D arrays."""
     import kvray
 
     kvray.start(namespace="benche2e", capacity="700MiB")
@@ -387,9 +392,10 @@ def e2e_phase(n: int) -> dict[str, float]:
     s = kvray.connect("benche2e")
     keys = [os.urandom(44) for _ in range(n)]
     blocks = np.random.default_rng(0).integers(0, 255, (n, 64), dtype=np.uint8)
+    payload: Any = blocks if shape == "2d" else list(blocks)
     done = w.wait.remote(n, 300)
     t0 = time.time()
-    futs = [s.put(keys[a : a + 65536], blocks[a : a + 65536]) for a in range(0, n, 65536)]
+    futs = [s.put(keys[a : a + per_put], payload[a : a + per_put]) for a in range(0, n, per_put)]
     stored = sum(f.result(timeout=300).stored for f in futs)
     seen = ray.get(done, timeout=400)
     stats = s.stats()
@@ -401,6 +407,15 @@ def e2e_phase(n: int) -> dict[str, float]:
         "stored": stored,
         "pool_b": node["meta_bytes"] / max(1, node["blocks"]),
     }
+
+
+def e2e_small_puts(n: int, repeats: int) -> dict[str, float]:
+    """Medians of ``repeats`` end-to-end runs at 2,000 blocks a put, 2D and list, alternated."""
+    rates: dict[str, list[float]] = {"2d": [], "list": []}
+    for _ in range(repeats):
+        for shape in rates:
+            rates[shape].append(e2e_phase(n, 2000, shape)["e2e_keys_s"])
+    return {shape: statistics.median(r) for shape, r in rates.items()}
 
 
 def main() -> None:
@@ -420,12 +435,34 @@ def main() -> None:
     ap.add_argument("--lookups", type=int, default=20_000)
     ap.add_argument("--e2e-blocks", type=int, default=1_000_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--e2e-only", action="store_true", help="only the end-to-end part")
     args = ap.parse_args()
     if args.quick:
         args.blocks, args.seconds, args.e2e_blocks, args.repeats = 1_000_000, 6, 300_000, 1
         args.rates = [50_000, 200_000]
         args.lookups, args.markers = 5000, 100
 
+    if args.e2e_only:
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=2 << 30,
+        )
+        try:
+            small = e2e_small_puts(args.e2e_blocks, args.repeats)
+        finally:
+            ray.shutdown()
+        print(
+            f"end to end, 2,000 blocks a put: 2D {small['2d']:,.0f} keys/s, "
+            f"list {small['list']:,.0f} keys/s"
+        )
+        print(
+            f"ratio e2e_2d_keys_s={small['2d']:.0f} e2e_list_keys_s={small['list']:.0f} "
+            f"list_over_2d={small['list'] / small['2d']:.2f}"
+        )
+        return
     print(
         f"kvray metadata plane, {POOLS} simulated pools, {args.shards} index shards, "
         f"{args.subscribers} subscribers, {args.blocks:,} blocks",
@@ -444,6 +481,7 @@ def main() -> None:
     try:
         cl = cluster_phase(args)
         e2e = [e2e_phase(args.e2e_blocks) for _ in range(args.repeats)]
+        small = e2e_small_puts(args.e2e_blocks, args.repeats)
     finally:
         ray.shutdown()
     ingest_tp1 = statistics.median(r[0] for r in tp1)
@@ -501,6 +539,18 @@ def main() -> None:
             "42,000 (issue 9, before)",
             ">= 300,000",
         ),
+        (
+            "end to end, 2,000 blocks a put, 2D array",
+            f"{small['2d']:,.0f} keys/s",
+            "",
+            "",
+        ),
+        (
+            "end to end, 2,000 blocks a put, list of arrays",
+            f"{small['list']:,.0f} keys/s",
+            "33,000 (issue 21, before)",
+            ">= half the 2D figure",
+        ),
     ]
     for ph in cl["sustained"]:
         rows.insert(
@@ -520,7 +570,8 @@ def main() -> None:
     print(
         f"ratio ingest_keys_per_s={cl['ingest_shard']:.0f} view_bytes_per_block={cl['view_b']:.1f} "
         f"index_bytes_per_block={max(cl['index_b'], cl['index_b_after']):.1f} "
-        f"lookup_p99_us={cl['lookup_p99_us']:.1f}"
+        f"lookup_p99_us={cl['lookup_p99_us']:.1f} e2e_2d_keys_s={small['2d']:.0f} "
+        f"e2e_list_keys_s={small['list']:.0f} list_over_2d={small['list'] / small['2d']:.2f}"
     )
 
 

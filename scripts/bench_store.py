@@ -5,12 +5,18 @@
   problem of at no more than one extra copy).
 - get: ``store.get`` (lease, zero-copy map or cross-node pull, checksum verify) vs plain
   ``ray.get`` plus one copy of the bytes, on the same node and from another simulated node.
+- partial cross-node reads (issue 21): ``fetch`` + ``verify`` of 1, 4 and all 16 blocks of a
+  segment held on another node, each from a segment never read before: latency, GB/s and the
+  bytes moved over the bytes loaded, as Ray sees them on the reader node (its object manager's
+  ``ray_object_manager_bytes{Type="Received"}`` and its object store's bytes in use).
 - memcpy: numpy copy of the same bytes, the limit of both.
 - lookup: p50/p99 of a 64-key prefix match with 1M keys indexed, in the caller's process.
 - memory: index and client-view bytes per key.
 
-Last line: ``ratio put=<x> get=<y> lookup_p99_us=<z>`` (x, y are fractions of the plain-Ray
-figures; get is the local one). Targets: put >= 0.5, get >= 0.8, lookup p99 <= 50 us.
+Last line: ``ratio put=<x> get=<y> lookup_p99_us=<z> remote_bytes_moved_over_loaded=<w>`` (x, y
+are fractions of the plain-Ray figures; get is the local one; w the worst case of the partial
+cross-node reads, by either measure). Targets: put >= 0.5, get >= 0.8, lookup p99 <= 50 us,
+w <= 1.25.
 Run: ``.venv/bin/python scripts/bench_store.py [--quick]``.
 """
 
@@ -29,6 +35,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np
 import ray
 from ray.cluster_utils import Cluster
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
+
+from ray_probe import object_bytes_received, object_store_used
 
 import kvray
 
@@ -71,6 +83,44 @@ class Remote:
         return stored
 
 
+def partial_reads(
+    store: kvray.Store, remote: ray.actor.ActorHandle, ns: str, repeats: int
+) -> dict[int, dict[str, float]]:
+    """Reads of the first 1, 4 and 16 blocks of segments on node A from this (head) node, each
+    of a segment never read here: what moved, as Ray's object manager and object store on the
+    reader see it, over the bytes loaded. Medians of ``repeats``."""
+    sizes = (1, 4, BATCH)
+    segs = [[uuid.uuid4().bytes for _ in range(BATCH)] for _ in range(repeats * len(sizes))]
+    stored = ray.get(remote.kvray.remote(ns, [k for seg in segs for k in seg], 3))
+    assert stored == BATCH * len(segs), stored
+    store.sync()
+    me = ray.get_runtime_context().get_node_id()
+    out: dict[int, dict[str, float]] = {}
+    for k, n in enumerate(sizes):
+        times, by_store = [], []
+        time.sleep(2.5)  # Ray exports its counters every second
+        received0 = object_bytes_received(me)
+        for r in range(repeats):
+            keys = segs[k * repeats + r][:n]
+            used0 = object_store_used(me)
+            t0 = time.perf_counter()
+            fetched = store.fetch(keys)
+            assert store.verify(fetched) == n, fetched.reason
+            times.append(time.perf_counter() - t0)
+            by_store.append((object_store_used(me) - used0) / (n * BLOCK))
+            del fetched
+        time.sleep(2.5)
+        received = (object_bytes_received(me) - received0) / (repeats * n * BLOCK)
+        lat = statistics.median(times)
+        out[n] = {
+            "latency_ms": lat * 1e3,
+            "gbps": gbps(n * BLOCK, lat),
+            "received": received,
+            "store": statistics.median(by_store),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
@@ -88,6 +138,8 @@ def main() -> None:
             "num_cpus": 2,
             "object_store_memory": store_mem,
             "include_dashboard": False,
+            # Ray's metrics (bytes received) are exported every second (default 10 s).
+            "_system_config": {"metrics_report_interval_ms": 1000},
         },
     )
     cluster.add_node(num_cpus=1, object_store_memory=store_mem, resources={"node_a": 1})
@@ -174,6 +226,9 @@ def main() -> None:
         kvray_get_far()
         t_kvray_far_cold = time.perf_counter() - t0
 
+        # --- partial cross-node reads: 1, 4, 16 blocks of segments never read before
+        partial = partial_reads(store, remote, ns, 2 if args.quick else 5)
+
         # --- lookup with many keys indexed
         index = ray.get_actor(f"{ns}/index/0", namespace="kvray")
         rss_index0 = ray.get(index.stats.remote())["rss_bytes"]
@@ -221,6 +276,14 @@ def main() -> None:
             ("plain ray.get + copy (cross-node)", f"{gbps(nbytes, t_plain_far_cold):.2f} GB/s"),
             ("kvray get (cross-node, verified)", f"{gbps(nbytes, t_kvray_far_cold):.2f} GB/s"),
             ("  cross-node get ratio vs plain", f"{t_plain_far_cold / t_kvray_far_cold:.2f}"),
+            *(
+                (
+                    f"cross-node fetch+verify {n:>2} of {BATCH} blocks",
+                    f"{r['latency_ms']:.1f} ms, {r['gbps']:.2f} GB/s, moved/loaded "
+                    f"{r['received']:.2f} (Ray received) / {r['store']:.2f} (reader's store)",
+                )
+                for n, r in partial.items()
+            ),
             ("keys indexed", f"{indexed:,}"),
             ("lookup 64-key prefix p50 / p99", f"{p50:.1f} us / {p99:.1f} us"),
             (
@@ -233,7 +296,11 @@ def main() -> None:
         print(f"kvray bench_store (median of {repeats}; cores: {os.cpu_count()})")
         for name, value in rows:
             print(f"  {name:<{width}}  {value}")
-        print(f"ratio put={put_ratio:.2f} get={get_ratio:.2f} lookup_p99_us={p99:.1f}")
+        worst = max(max(r["received"], r["store"]) for r in partial.values())
+        print(
+            f"ratio put={put_ratio:.2f} get={get_ratio:.2f} lookup_p99_us={p99:.1f} "
+            f"remote_bytes_moved_over_loaded={worst:.2f}"
+        )
         sys.stdout.flush()
     finally:
         store.close()

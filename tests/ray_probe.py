@@ -112,3 +112,36 @@ def gcs_rpc_snapshot(urls: list[str], report_interval_s: float = 1.0) -> Counter
     """Wait one metrics report interval and a bit (so what just happened is exported), read."""
     time.sleep(report_interval_s * 2.5)
     return gcs_rpc_counts(urls)
+
+
+def _node(node_id: str) -> dict:
+    import ray
+
+    for n in ray.nodes():
+        if n["NodeID"] == node_id and n["Alive"]:
+            return n
+    raise LookupError(f"node {node_id} is not alive")
+
+
+def object_store_used(node_id: str) -> int:
+    """Bytes of node ``node_id``'s object store in use (its raylet's own figure, what
+    ``ray memory`` shows): primary copies and the copies pulled from other nodes, pinned or
+    cached."""
+    from ray._private.internal_api import node_stats
+
+    n = _node(node_id)
+    reply = node_stats(n["NodeManagerAddress"], n["NodeManagerPort"], include_memory_info=False)
+    return int(reply.store_stats.object_store_bytes_used)
+
+
+_RECEIVED = re.compile(r'^ray_object_manager_bytes\{[^}]*Type="Received"[^}]*\}\s+([0-9.eE+]+)')
+
+
+def object_bytes_received(node_id: str) -> int:
+    """Bytes node ``node_id``'s object manager has received from other nodes so far
+    (``ray_object_manager_bytes{Type="Received"}`` at its Prometheus endpoint: an operator's
+    view, updated every ``metrics_report_interval_ms``)."""
+    n = _node(node_id)
+    url = f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(int(float(m.group(1))) for m in map(_RECEIVED.match, text.splitlines()) if m)

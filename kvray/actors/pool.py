@@ -33,8 +33,9 @@ import numpy as np
 import ray
 from ray import ObjectRef
 
+from kvray.actors import slices
 from kvray.actors.leases import Held, Leases
-from kvray.actors.poolstate import STATS_COUNTERS, PoolState, Removed
+from kvray.actors.poolstate import PoolState, Removed
 from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
 from kvray.actors.segment import SegmentMeta
 from kvray.actors.tiering import Tiering
@@ -230,12 +231,14 @@ class BlockPool:
         ids: np.ndarray,
         shards: np.ndarray | int,
         timeout: float | None = None,
+        remote: bool = False,
     ) -> LeaseReply:
         """Locate blocks (by id, then full key) and protect their segments from eviction
         until released; a key whose id matches another key's block reads as not found.
         Blocks held only on disk are promoted back to RAM, or served from their file when RAM
         is all leased (:mod:`.promote`), outside the lock, within ``timeout`` (the reader's
-        time left; default ``get_timeout_s``)."""
+        time left; default ``get_timeout_s``). ``remote``: a reader on another node gets a
+        fresh object of just its blocks, not a segment it reads little of (:mod:`.slices`)."""
         left = self._get_timeout_s if timeout is None else max(0.0, float(timeout))
         deadline = time.monotonic() + 0.8 * left  # the reply must reach the reader in time
         pids = shard_ids(np.asarray(ids, dtype=np.uint64), shards)
@@ -250,6 +253,7 @@ class BlockPool:
             if pins:
                 failed = reads.promote(pins, deadline)
         direct: list[tuple[int, int, int]] = []
+        whole: dict[int, int] = {}  # bytes of the segments leased, for a remote reader
         held, refs = 0, []  # what reads served from files hold until the lease goes
         try:
             with self._lock:
@@ -260,20 +264,19 @@ class BlockPool:
                     if seg.ref is None:  # on disk only: RAM had no unleased room for it
                         direct.append((i, seg_id, pos))
                         continue
-                    reply.seg_ids[i] = seg_id
-                    reply.positions[i] = pos
-                    reply.nbytes[i] = seg.meta.sizes[pos]
-                    reply.checksums[i] = seg.meta.checksums[pos]
+                    reply.point(i, seg_id, pos, seg.meta.sizes[pos], seg.meta.checksums[pos])
                     seg.hits[pos] += 1
                     if seg_id not in reply.segments:
                         seg.leases += 1
                         if seg.in_ram:
                             st.ram.move_to_end(seg_id)
                         reply.segments[seg_id] = seg.ref
+                        whole[seg_id] = seg.meta.nbytes
                 if direct and reads is not None:
                     reads.pin_more(direct, pins)
             if direct and reads is not None:
                 held, refs = reads.serve(reply, direct, deadline)
+            cut, copied = slices.cut(reply, whole, deadline) if remote and whole else ([], 0)
         finally:
             with self._lock:
                 st.unlease(pins)
@@ -284,8 +287,10 @@ class BlockPool:
             missing = len(keys) - found
             st.counters.hits += found
             st.counters.misses += missing
-            if reply.segments:
-                mine = [s for s in reply.segments if s > 0]
+            st.unlease(cut)  # served from objects of their own: no lease needed
+            st.counters.sliced_bytes += copied
+            mine = [s for s in reply.segments if s > 0 and s not in cut]
+            if mine or held or refs:
                 self._leases.add(reply.lease_id, mine, held, refs)
                 st.counters.leases += 1
         self._metrics.looked_up(found, missing)
@@ -379,16 +384,11 @@ class BlockPool:
         disk = self._tiering.figures() if self._tiering is not None else {}
         with self._lock:
             self._expire_leases()
-            st = self._state
-            c = st.counters
             return {
                 "node_id": self._node_id,
                 "slot": self._slot,
-                **st.figures(),
-                "bytes": st.used,
+                **self._state.figures(),
                 "capacity": self._capacity,
-                "segments": len(st.segments),
-                **{name: getattr(c, name) for name in STATS_COUNTERS},
                 "active_leases": len(self._leases),
                 "expired_leases": self._leases.expired,
                 "thread_deaths": self.thread_deaths,

@@ -60,6 +60,7 @@ STATS_COUNTERS = (
     "collisions",
     "stored_bytes",
     "served_bytes",
+    "sliced_bytes",
     "puts",
 )
 
@@ -78,6 +79,7 @@ class Counters:
     collisions: int = 0
     stored_bytes: int = 0
     served_bytes: int = 0
+    sliced_bytes: int = 0  # copied into objects of their own for readers on other nodes
     puts: int = 0
     leases: int = 0
     promoted: int = 0  # read back from disk into RAM
@@ -265,7 +267,8 @@ class PoolState:
         return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))  # type: ignore[return-value]
 
     def figures(self) -> dict[str, int]:
-        """Blocks by tier and metadata bytes (iterates the segments: for stats only)."""
+        """Blocks by tier, bytes, metadata bytes and the counters (iterates the segments: for
+        stats only)."""
         ram = spilling = disk_only = leased = 0
         meta_bytes = self.table.nbytes
         for seg in self.segments.values():
@@ -285,6 +288,9 @@ class PoolState:
             "disk_only_blocks": disk_only,
             "leased_bytes": leased,  # of ``used``: segments readers hold (not evictable)
             "meta_bytes": int(meta_bytes),
+            "bytes": self.used,
+            "segments": len(self.segments),
+            **{name: getattr(self.counters, name) for name in STATS_COUNTERS},
         }
 
 

@@ -300,10 +300,7 @@ class DiskReads:
                 if not seg.live[p]:
                     reply.reasons[i] = "dropped while read"
                     continue
-                reply.seg_ids[i] = fake_id
-                reply.positions[i] = j
-                reply.nbytes[i] = seg.meta.sizes[p]
-                reply.checksums[i] = seg.meta.checksums[p]
+                reply.point(i, fake_id, j, seg.meta.sizes[p], seg.meta.checksums[p])
                 seg.hits[p] += 1
                 served += 1
             if not served:

@@ -77,6 +77,13 @@ class LeaseReply:
         z = np.zeros(n, dtype=np.int64)
         return cls(lease_id, z, z.copy(), z.copy(), np.zeros(n, dtype=np.uint64))
 
+    def point(self, i: int, seg_id: int, pos: int, nbytes: int, checksum: int) -> None:
+        """Key ``i`` is item ``pos`` of object ``seg_id``: ``nbytes`` bytes, ``checksum``."""
+        self.seg_ids[i] = seg_id
+        self.positions[i] = pos
+        self.nbytes[i] = nbytes
+        self.checksums[i] = checksum
+
     @property
     def num_found(self) -> int:
         return int(np.count_nonzero(self.seg_ids))
