@@ -8,7 +8,6 @@ vLLM's default multiprocess mode, Ray actors pinned to simulated nodes) share th
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from vllm_helpers import (
     engine_actor,
     engine_kwargs,
     generate,
+    in_process_engines,
     kvray_transfer_config,
     make_prompts,
     run_engine_process,
@@ -58,13 +58,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def in_process() -> Iterator[None]:
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    with in_process_engines():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from vllm_helpers import in_process_engines
 
 from kvray.connector.paged import PagedCopier
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
@@ -387,13 +387,8 @@ class InProcessEngine:
 
 @pytest.fixture
 def in_process() -> Iterator[None]:
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    with in_process_engines():
+        yield
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 from typer.testing import CliRunner
+from vllm_helpers import in_process_engines
 
 import kvray
 from kvray.actors.segment import SegmentMeta
@@ -385,13 +386,8 @@ def test_admit_min_hits_spills_only_read_blocks(ray_cluster: Cluster, tmp_path: 
 
 @pytest.fixture
 def in_process() -> Iterator[None]:
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    with in_process_engines():
+        yield
 
 
 @pytest.mark.vllm

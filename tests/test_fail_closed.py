@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from vllm_helpers import (
     build_tiny_llama,
     engine_kwargs,
     generate,
+    in_process_engines,
     kvray_transfer_config,
 )
 
@@ -142,13 +142,8 @@ def test_the_recompute_policy_is_accepted(
 
 @pytest.fixture
 def in_process() -> Iterator[None]:
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    with in_process_engines():
+        yield
 
 
 def test_an_engine_with_the_fail_policy_refuses_to_start(

@@ -23,6 +23,7 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from vllm_helpers import block_hashes
 
 import kvray
 from kvray.actors.leases import Leases
@@ -609,22 +610,6 @@ def _counters(llm: Any) -> Any:
     return _sched(llm).counters.add(_worker(llm).counters())
 
 
-def _hashes(prompt: list[int]) -> list[bytes]:
-    """vLLM's block hashes of a prompt's full blocks, as this process' engine computes them."""
-    import vllm.v1.core.kv_cache_utils as kcu
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
-    from vllm_helpers import BLOCK_SIZE
-
-    if kcu.NONE_HASH is None:
-        init_none_hash(sha256)
-    parent, out = kcu.NONE_HASH, []
-    for i in range(len(prompt) // BLOCK_SIZE):
-        parent = hash_block_tokens(sha256, parent, prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-        out.append(bytes(parent))
-    return out
-
-
 def _hit_blocks(prompt: list[int]) -> int:
     """Blocks a complete kvray hit of ``prompt`` covers (one token is left to compute)."""
     from vllm_helpers import BLOCK_SIZE
@@ -634,7 +619,7 @@ def _hit_blocks(prompt: list[int]) -> int:
 
 def _present(llm: Any, prompt: list[int]) -> int:
     """Leading blocks of ``prompt`` the engine's scheduler sees in kvray (its own view)."""
-    return int(_sched(llm).manager.lookup(_hashes(prompt)[: _hit_blocks(prompt)]))
+    return int(_sched(llm).manager.lookup(block_hashes(prompt)[: _hit_blocks(prompt)]))
 
 
 def _cold(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
@@ -839,7 +824,7 @@ def test_corrupt_bytes_are_recomputed_and_never_served_again(engines: Engines) -
     (prompt,) = prompts = _prompts(1, 230, 20)
     n = _hit_blocks(prompt)
     ref = _cold(llm, prompts)
-    keys = _sched(llm).key_space.block_keys(_hashes(prompt)[:n])
+    keys = _sched(llm).key_space.block_keys(block_hashes(prompt)[:n])
     pool = _head_pool(engines.ns)
     lost = ray.get(pool.stats.remote())["lost"]
     bad_segment = _corrupt_in_plasma(pool, keys[2])
@@ -872,7 +857,7 @@ def test_node_removed_mid_load(engines: Engines, ray_cluster: Cluster) -> None:
     try:
         ray_cluster.wait_for_nodes()
         _wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
-        hashes = list(dict.fromkeys(h for p in prompts for h in _hashes(p)[: _hit_blocks(p)]))
+        hashes = list(dict.fromkeys(h for p in prompts for h in block_hashes(p)[: _hit_blocks(p)]))
         keys = _sched(llm).key_space.block_keys(hashes)
         ids = key_ids(keys)
         arrays = store.get(keys)

@@ -29,12 +29,14 @@ import numpy as np
 import torch
 from vllm_helpers import (
     BLOCK_SIZE,
+    block_hashes,
     build_tiny_llama,
     cached_tokens,
     close_llm,
     connector_of,
     engine_kwargs,
     generate,
+    in_process_engines,
     kvray_transfer_config,
     make_prompts,
     token_ids,
@@ -114,13 +116,8 @@ def module_ns(ray_cluster: Any) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def in_process() -> Iterator[None]:
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    with in_process_engines():
+        yield
 
 
 # ------------------------------------------------------------------ start-up
@@ -264,7 +261,7 @@ class MultiEngine:
 
     def kvray_present(self, prompt: list[int]) -> int:
         """Leading blocks of ``prompt`` the scheduler sees in kvray."""
-        hashes = _block_hashes(prompt)[: FULL_HIT // BLOCK_SIZE]
+        hashes = block_hashes(prompt)[: FULL_HIT // BLOCK_SIZE]
         return int(self.kv.store.lookup(self.kv.key_space.block_keys(hashes)))
 
     def pool_hits(self) -> int:
@@ -298,21 +295,6 @@ def engine(
         yield MultiEngine(llm, module_ns, storage)
     finally:
         close_llm(llm)
-
-
-def _block_hashes(prompt: list[int]) -> list[bytes]:
-    """vLLM's block hashes of a prompt's full blocks, as this process' engine computes them."""
-    import vllm.v1.core.kv_cache_utils as kcu
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
-
-    if kcu.NONE_HASH is None:
-        init_none_hash(sha256)
-    parent, out = kcu.NONE_HASH, []
-    for i in range(len(prompt) // BLOCK_SIZE):
-        parent = hash_block_tokens(sha256, parent, prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-        out.append(bytes(parent))
-    return out
 
 
 def _cold(engine: MultiEngine, prompts: list[list[int]]) -> tuple[list[list[int]], set[str]]:
@@ -359,7 +341,7 @@ def test_both_save_and_either_loads(engine: MultiEngine) -> None:
     assert engine.pool_hits() - pool_hits >= 2 * FULL_HIT // BLOCK_SIZE
 
     # kvray loses the blocks (and sees it): ExampleConnector's files are loaded instead.
-    keys = [k for p in prompts for k in engine.kv.key_space.block_keys(_block_hashes(p)[:7])]
+    keys = [k for p in prompts for k in engine.kv.key_space.block_keys(block_hashes(p)[:7])]
     assert _drop_from_kvray(keys, key_ids(keys), 0, engine.kv.store.io_pools()) == len(keys)
     engine.kv.store.sync()
     assert [engine.kvray_present(p) for p in prompts] == [0, 0]

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,36 @@ def make_prompts(
     rng = random.Random(seed)
     prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
     return [prefix + [rng.randrange(3, vocab) for _ in range(suffix_len)] for _ in range(n)]
+
+
+@contextlib.contextmanager
+def in_process_engines() -> Iterator[None]:
+    """vLLM engines built inside run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+    so a test can reach the scheduler's connector; the variable is restored after."""
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+def block_hashes(prompt: Sequence[int]) -> list[bytes]:
+    """vLLM's block hashes of a prompt's full blocks, as this process' engine computes them."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+    if kcu.NONE_HASH is None:
+        init_none_hash(sha256)
+    parent, out = kcu.NONE_HASH, []
+    for i in range(len(prompt) // BLOCK_SIZE):
+        parent = hash_block_tokens(sha256, parent, prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+        out.append(bytes(parent))
+    return out
 
 
 def kvray_transfer_config(namespace: str, **extra: Any) -> dict[str, Any]:

@@ -101,8 +101,7 @@ class IndexPublisher:
 
     def stop(self, timeout: float = 5.0) -> bool:
         """Stop the thread (what is still buffered is not sent); True once it has ended."""
-        self._stop.set()
-        self._dirty.set()
+        self._dirty.set()  # wake the thread now; stop() sets _stop, the thread's stop event
         return self._thread.stop(timeout)
 
     @property
