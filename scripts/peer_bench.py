@@ -172,22 +172,28 @@ def run_peers(args: argparse.Namespace) -> None:
             b._run_engine([*read, "--phase", "write"], work / f"lm-w-{name}.json", lm_env)
             return read
 
-        def start_p2p() -> list[str]:
+        def start_p2p(r: int) -> list[str]:
             """LMCache P2P: a coordinator, a server per node; node A's engine stores in its
             server; node B's engine reads through its own server (SHM), which finds the
-            chunks at node A's server (coordinator) and pulls them over NIXL."""
-            coord = peers.LMCacheCoordinator(work / "lmcache-coordinator.log")
-            procs["coordinator"] = coord
+            chunks at node A's server (coordinator) and pulls them over NIXL. Started for
+            each round's read and stopped after it: idle, each P2P server keeps ~0.55 of a
+            core busy (measured with ps), which would slow every other contender here."""
+            coord = peers.LMCacheCoordinator(work / f"lmcache-coordinator-{r}.log")
+            procs[f"coordinator-{r}"] = coord
             p2p = {"coordinator": coord.url}
-            a = server("p2p-a", shm_name=f"{tag}-a", p2p_port=peers.free_port(), **p2p)
-            srv_b = server("p2p-b", shm_name=f"{tag}-b", p2p_port=peers.free_port(), **p2p)
-            b._run_engine([*lm_args(a), "--phase", "write"], work / "lm-w-p2p.json", lm_env)
+            a = server(f"p2p-a-{r}", shm_name=f"{tag}-a{r}", p2p_port=peers.free_port(), **p2p)
+            srv_b = server(f"p2p-b-{r}", shm_name=f"{tag}-b{r}", p2p_port=peers.free_port(), **p2p)
+            b._run_engine([*lm_args(a), "--phase", "write"], work / f"lm-w-p2p{r}.json", lm_env)
             time.sleep(5)  # peer discovery: 1 s heartbeats to the coordinator
             return lm_args(srv_b)
 
+        def stop_p2p(r: int) -> None:
+            for name in (f"p2p-a-{r}", f"p2p-b-{r}", f"coordinator-{r}"):
+                if name in procs:
+                    procs[name].stop()
+
         lm_shm = attempt("lmcache-hit", start_lmcache, "shm", shm_name=tag)
         lm_tcp = attempt("lmcache-node-b", start_lmcache, "tcp", shm_name="")
-        lm_p2p = attempt("lmcache-p2p-node-b", start_p2p)
         for r in range(rounds):
             ex = b._run_engine([*ex_args, "--phase", "read"], work / f"ex-r{r}.json", env)
             record("example-hit", ex)
@@ -202,11 +208,18 @@ def run_peers(args: argparse.Namespace) -> None:
                     record("lmcache-hit", lm)
             kv = _run_node_b([*kv_args, "--phase", "read"], env["PYTHONPATH"])
             record("kvray-node-b", kv, first=r == 0)
-            for label, lm_read in (("lmcache-node-b", lm_tcp), ("lmcache-p2p-node-b", lm_p2p)):
-                if lm_read:
-                    lm = attempt(label, _run_node_b, [*lm_read, "--phase", "read"], lm_path)
-                    if lm:
-                        record(label, lm, first=r == 0)
+            if lm_tcp:
+                label = "lmcache-node-b"
+                lm = attempt(label, _run_node_b, [*lm_tcp, "--phase", "read"], lm_path)
+                if lm:
+                    record(label, lm, first=r == 0)
+            label = "lmcache-p2p-node-b"
+            lm_p2p = attempt(label, start_p2p, r)
+            if lm_p2p:
+                lm = attempt(label, _run_node_b, [*lm_p2p, "--phase", "read"], lm_path)
+                if lm:
+                    record(label, lm, first=r == 0)
+            stop_p2p(r)
     finally:
         for proc in procs.values():
             proc.stop()
