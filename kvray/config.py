@@ -209,6 +209,11 @@ class KVRayConfig:
     load_mode: str = "sync"
     #: Connector: bytes of reusable staging buffers per worker for saves and loads.
     staging_bytes: int = 256 << 20
+    #: Connector: blocks a request fills while it decodes are stored once this many are full
+    #: (or when it finishes), not one put per block; a prompt's blocks are stored at once.
+    #: 1 stores every block as it fills. Each put costs ~4 ms of CPU across writer, pool and
+    #: raylet whatever its size (``scripts/bench_save.py``).
+    decode_store_blocks: int = 8
     #: Connector: start kvray in the namespace when it is not running yet.
     auto_start: bool = True
     #: Connector: model name used in the key namespace (default: vLLM's served model).
@@ -259,6 +264,9 @@ class KVRayConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
                 raise ConfigError(name, v, "expected seconds in (0, 3600]")
             object.__setattr__(self, name, float(v))
+        v = self.decode_store_blocks
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+            raise ConfigError("decode_store_blocks", v, "expected a whole number in [1, 4096]")
         for name in ("verify_checksums", "auto_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "expected true or false")

@@ -231,6 +231,14 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
         vals = [statistics.median(r["cpu"].get(role, 0.0) for r in rows)
                 for rows in results.values()]  # fmt: skip
         print(f"{role:<18}" + "".join(f"{v:>24.4f}" for v in vals))
+    puts = {k: rows for k, rows in results.items() if rows and "puts_per_req" in rows[0]}
+    if puts:
+        print("\nkvray puts per request and KiB stored per put (medians)")
+        for (cfg, wl), rows in puts.items():
+            print(
+                f"{cfg:<13} {wl:<10} {_med(rows, 'puts_per_req'):>6.2f} puts/req "
+                f"{_med(rows, 'stored_kib_per_put'):>8.0f} KiB/put"
+            )
     methods: Counter[str] = Counter()
     for rows in results.values():
         for r in rows:
@@ -268,9 +276,21 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--model", default="gqa", choices=sorted(MODELS))
     ap.add_argument("--kvray-config", default="{}", help="JSON: kvray connector settings")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
+                    help="one more config: BASE (a kvray config) with these connector settings "
+                    'on top of --kvray-config, e.g. put1=kvray-pow2:{"decode_store_blocks":1}; '
+                    "list NAME in --configs too")  # fmt: skip
     a = ap.parse_args()
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.sessions = a.sessions or (6 if a.quick else 12)
+    overrides: dict[str, dict[str, Any]] = {}
+    for v in a.variant:
+        name, _, rest = v.partition("=")
+        base, _, js = rest.partition(":")
+        if not name or CONFIGS.get(base, ("",))[0] != "kvray":
+            ap.error(f"--variant {v!r}: expected NAME=BASE:JSON with BASE a kvray config")
+        CONFIGS[name] = CONFIGS[base]
+        overrides[name] = json.loads(js or "{}")
     configs = [c for c in a.configs.split(",") if c]
     for c in configs:
         if c not in CONFIGS:
@@ -337,7 +357,8 @@ def main() -> None:
                 app = build(
                     model, namespace=ns, replicas=2, served_model_name=MODEL,
                     engine_args=engine_args, router=router, kv_cache=kv_cache, num_cpus=2,
-                    kvray_config=json.loads(a.kvray_config) if kv_cache == "kvray" else None,
+                    kvray_config={**json.loads(a.kvray_config), **overrides.get(cfg, {})}
+                    if kv_cache == "kvray" else None,
                     ingress_options={"ray_actor_options": {"num_cpus": 0}},
                 )  # fmt: skip
                 t0 = time.perf_counter()
@@ -348,8 +369,17 @@ def main() -> None:
                 warm_args = argparse.Namespace(**{**vars(a), **warm})
                 warm_out = work / f"warm{r}{cfg}.json"
                 _load(_ray_load(port, model, 10_000 + r, 0.0, warm_args, warm_out), warm_out)
+                store = kvray.connect(ns, subscribe=False) if kv_cache == "kvray" else None
                 for wl in workloads:
+                    before = store.stats()["totals"] if store else {}
                     row = _run_one(port, model, urls, 1 + r, wl, a, work)
+                    if store:  # what the pools did: puts and bytes stored per request
+                        after = store.stats()["totals"]
+                        n = max(1, row["requests"])
+                        row["puts_per_req"] = (after["puts"] - before["puts"]) / n
+                        row["stored_kib_per_put"] = (
+                            (after["stored_bytes"] - before["stored_bytes"]) / 1024
+                        ) / max(1, after["puts"] - before["puts"])
                     results[(cfg, wl)].append(row)
                     print(
                         f"#   {wl}: TTFT p50 {row['ttft_p50']:.0f} ms, ITL "
@@ -357,6 +387,8 @@ def main() -> None:
                         f"{row['cpu_total']:.3f} s/req (GCS {row['cpu'].get('gcs', 0):.4f})",
                         flush=True,
                     )
+                if store:
+                    store.close()
                 serve.delete(APP)
                 if lmc:
                     lmc.stop()

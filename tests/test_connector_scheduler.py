@@ -532,6 +532,34 @@ def test_decode_blocks_stored_at_finish_and_events(harness_factory: Any) -> None
     assert h.sconn.manager.sizes()["announced"] == 1
 
 
+@pytest.mark.parametrize(("batch", "jobs"), [(1, [1, 1, 1, 1, 1]), (3, [1, 3, 1])])
+def test_decode_blocks_stored_in_batches(
+    harness_factory: Any, batch: int, jobs: list[int]
+) -> None:
+    """Prompt blocks are stored as they fill; blocks filled while decoding wait until
+    ``decode_store_blocks`` of them are full (each put costs the same fixed CPU whatever its
+    size), the rest at finish. Every full block ends up stored either way."""
+    h = harness_factory(decode_store_blocks=batch)
+    planned: list[int] = []
+    real_bind = h.worker.bind_connector_metadata
+
+    def recording_bind(meta: Any) -> None:
+        planned.extend(len(spec.block_ids) for spec in meta.stores.values())
+        real_bind(meta)
+
+    h.worker.bind_connector_metadata = recording_bind
+    p = prompt(BLOCK_SIZE + 5, seed=11)
+    req = h.add(p, max_tokens=4 * BLOCK_SIZE)  # 1 prompt block, 4 more filled decoding
+    h.run()
+    assert_scheduler_empty(h)
+    assert planned == jobs
+    h.sconn.store.sync()
+    hashes = [bytes(x) for x in req.block_hashes]
+    assert len(hashes) == 5
+    assert h.sconn._find_hit(hashes)[0] == 5
+    assert h.sconn.counters.stored_blocks == 5
+
+
 def test_no_kv_events_unless_configured(harness_factory: Any) -> None:
     h = harness_factory()
     h.add(prompt(2 * BLOCK_SIZE + 1, seed=8))

@@ -100,6 +100,7 @@ class KVRayConnectorScheduler:
         self.world_size = world_size
         #: A store job never has more blocks than a worker's staging pool holds.
         self.max_store_blocks = max(1, config.staging_bytes // max(1, key_space.block_nbytes))
+        self.decode_store_blocks = config.decode_store_blocks
         self._load_async = config.load_mode == "async"
         self._job_ids = itertools.count(1)
         self._reqs: dict[ReqId, _RequestState] = {}
@@ -273,7 +274,10 @@ class KVRayConnectorScheduler:
             # num_computed_tokens is advanced after this call: add this step's tokens.
             computed = req.num_computed_tokens + num_new
             full = min(len(req.block_hashes), computed // self.block_size, len(state.block_ids))
-            self._plan_store(state, full)
+            # Prompt blocks are stored as they fill; decode blocks in batches (or at finish).
+            decoding = req.num_computed_tokens >= req.num_prompt_tokens
+            if not decoding or full - state.num_planned_blocks >= self.decode_store_blocks:
+                self._plan_store(state, full)
         meta = KVRayConnectorMetadata(
             loads=self._new_loads,
             stores=self._new_stores,
