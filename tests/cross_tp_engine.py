@@ -114,7 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector is here
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm_helpers import connector_of, engine_kwargs, kvray_transfer_config
+    from vllm_helpers import (
+        connector_of,
+        engine_kwargs,
+        finish_delayed_frees,
+        kvray_transfer_config,
+    )
 
     kw = engine_kwargs(
         args.model, kv_transfer_config=kvray_transfer_config(args.namespace), tp=args.tp
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = []
     for step in json.loads(Path(args.steps).read_text()):
         if step.get("reset"):
+            finish_delayed_frees(llm)
             llm.reset_prefix_cache()
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in step["prompts"]]
         if step.get("salt"):

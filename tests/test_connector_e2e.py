@@ -24,6 +24,7 @@ from vllm_helpers import (
     connector_of,
     engine_actor,
     engine_kwargs,
+    finish_delayed_frees,
     generate,
     in_process_engines,
     kvray_transfer_config,
@@ -93,6 +94,7 @@ def kv_engine(
 
 def _settle(llm: Any) -> None:
     """Wait until the engine's saves are stored and its scheduler's view shows them."""
+    finish_delayed_frees(llm)
     worker_connector_of(llm).worker.flush()
     connector_of(llm).store.sync()
 
@@ -108,6 +110,7 @@ def test_tokens_identical_and_prefix_loaded(
 
     sched = connector_of(llm).scheduler
     hits_before = sched.hit_tokens
+    finish_delayed_frees(llm)
     llm.reset_prefix_cache()
     second = generate(llm, prompts)
     assert token_ids(second) == reference["share"]
@@ -156,6 +159,7 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
     full = _full_hit(prompts[0])
     try:
         store.fetch_from = lambda *a, **k: different_bytes(*a, keep_checksums=False, **k)
+        finish_delayed_frees(llm)
         assert llm.reset_prefix_cache()
         loads_before = _loaded_blocks(llm)
         changed = generate(llm, prompts)
@@ -165,7 +169,8 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
 
         store.fetch_from = lossy_fetch
         failed_before = _failed_blocks(llm)
-        llm.reset_prefix_cache()
+        finish_delayed_frees(llm)
+        assert llm.reset_prefix_cache()
         recomputed = generate(llm, prompts)
         # Two blocks came from kvray; the lost ones were recomputed by vLLM. (vLLM keeps
         # num_cached_tokens at the planned hit, so the failure shows in kvray's counters.)
@@ -177,7 +182,8 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
         # vLLM and recomputed: identical tokens.
         store.fetch_from = lambda *a, **k: different_bytes(*a, keep_checksums=True, **k)
         failed_before, loads_before = _failed_blocks(llm), _loaded_blocks(llm)
-        llm.reset_prefix_cache()
+        finish_delayed_frees(llm)
+        assert llm.reset_prefix_cache()
         assert token_ids(generate(llm, prompts)) == reference["used"]
         # (Blocks that failed above are skipped for a while, so fewer are tried here.)
         assert _failed_blocks(llm) > failed_before
@@ -217,6 +223,7 @@ def test_node_loss_between_store_and_load(
     # the tokens of a full recompute.
     sched = connector_of(llm).scheduler
     hits_before, failed_before = sched.hit_tokens, _failed_blocks(llm)
+    finish_delayed_frees(llm)
     llm.reset_prefix_cache()
     after = generate(llm, prompts)
     assert token_ids(after) == reference["loss"]

@@ -533,9 +533,7 @@ def test_decode_blocks_stored_at_finish_and_events(harness_factory: Any) -> None
 
 
 @pytest.mark.parametrize(("batch", "jobs"), [(1, [1, 1, 1, 1, 1]), (3, [1, 3, 1])])
-def test_decode_blocks_stored_in_batches(
-    harness_factory: Any, batch: int, jobs: list[int]
-) -> None:
+def test_decode_blocks_stored_in_batches(harness_factory: Any, batch: int, jobs: list[int]) -> None:
     """Prompt blocks are stored as they fill; blocks filled while decoding wait until
     ``decode_store_blocks`` of them are full (each put costs the same fixed CPU whatever its
     size), the rest at finish. Every full block ends up stored either way."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from vllm_helpers import in_process_engines
+from vllm_helpers import finish_delayed_frees, in_process_engines
 
 from kvray.connector.paged import PagedCopier
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
@@ -440,6 +440,7 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
         # Back: the TP=1 engine assembles B's two shards of every block of p2.
         a.scheduler.store.sync()
         before = a.scheduler.cross_tp_hit_tokens
+        finish_delayed_frees(a.llm)
         assert a.llm.reset_prefix_cache()
         a2 = a.generate(p2)
         assert a2["cached"][0] == _full_hit(p2[0])
@@ -496,6 +497,7 @@ def test_fewer_kv_heads_than_ranks_store_once_read_by_all(
         store.close()
 
         a.scheduler.store.sync()
+        finish_delayed_frees(a.llm)
         assert a.llm.reset_prefix_cache()
         a4 = a.generate(p4)
         assert a4["cached"][0] == _full_hit(p4[0])

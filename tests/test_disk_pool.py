@@ -406,6 +406,7 @@ def test_vllm_loads_a_prefix_from_disk_after_a_warm_restart(
         close_llm,
         connector_of,
         engine_kwargs,
+        finish_delayed_frees,
         generate,
         kvray_transfer_config,
         make_prompts,
@@ -452,6 +453,7 @@ def test_vllm_loads_a_prefix_from_disk_after_a_warm_restart(
         s = ray.get(pool.stats.remote())
         assert (s["stored"], s["present_blocks"], s["blocks"]) == (0, present, 0)
 
+        finish_delayed_frees(llm)
         assert llm.reset_prefix_cache()
         loaded = generate(llm, prompts)
         assert token_ids(loaded) == token_ids(recomputed)

@@ -450,10 +450,17 @@ class _LeasingEngine:
         self.llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
 
     def generate(self, prompts: list[list[int]], reset: bool = False) -> dict[str, Any]:
-        from vllm_helpers import cached_tokens, connector_of, generate, token_ids
+        from vllm_helpers import (
+            cached_tokens,
+            connector_of,
+            finish_delayed_frees,
+            generate,
+            token_ids,
+        )
 
         if reset:  # as for engine A: the view must hold what this engine stored first
             connector_of(self.llm).store.sync()
+            finish_delayed_frees(self.llm)
             assert self.llm.reset_prefix_cache()
         outs = generate(self.llm, prompts)
         return {"tokens": token_ids(outs), "cached": cached_tokens(outs)}
@@ -496,6 +503,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
         close_llm,
         connector_of,
         engine_kwargs,
+        finish_delayed_frees,
         generate,
         kvray_transfer_config,
         make_prompts,
@@ -534,6 +542,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
         assert before["leased_bytes"] >= MiB - 64 * 1024, before  # no A segment fits
 
         connector_of(llm).store.sync()
+        finish_delayed_frees(llm)
         assert llm.reset_prefix_cache()
         was = counters()
         loaded = generate(llm, prompts)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from vllm_helpers import block_hashes
+from vllm_helpers import block_hashes, finish_delayed_frees
 
 import kvray
 from kvray.actors.leases import Leases
@@ -629,6 +629,7 @@ def _cold(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[
     assert all(_present(llm, p) == 0 for p in prompts), "not a cold run"
     sched = _sched(llm)
     hits, loaded = sched.hit_tokens, _counters(llm).loaded_blocks
+    finish_delayed_frees(llm)
     llm.reset_prefix_cache()
     tokens = token_ids(generate(llm, prompts, max_tokens=max_tokens))
     assert sched.hit_tokens == hits and _counters(llm).loaded_blocks == loaded
@@ -648,6 +649,7 @@ def _warm(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> tuple[list
     Returns the tokens and vLLM's outputs."""
     from vllm_helpers import generate, token_ids
 
+    finish_delayed_frees(llm)
     assert llm.reset_prefix_cache()
     outs = generate(llm, prompts, max_tokens=max_tokens)
     return token_ids(outs), outs
@@ -983,6 +985,8 @@ def test_a_save_larger_than_staging_is_stored_in_pieces(engines: Engines) -> Non
     (prompt,) = prompts = _prompts(1, 700, 20)
     full = len(prompt) // BLOCK_SIZE
     assert full > 5 * STAGING_BLOCKS
+    finish_delayed_frees(llm)  # an earlier test's last saves are not this one's
+    _settle(llm)
     c0 = _counters(llm)
     ref, _ = _warm(llm, prompts, max_tokens=1)  # one step: the prefill, then it finishes
     _settle(llm)

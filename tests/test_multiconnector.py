@@ -35,6 +35,7 @@ from vllm_helpers import (
     close_llm,
     connector_of,
     engine_kwargs,
+    finish_delayed_frees,
     generate,
     in_process_engines,
     kvray_transfer_config,
@@ -277,6 +278,7 @@ class MultiEngine:
 
     def run(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
         """Generate with vLLM's own prefix cache emptied: what is not loaded is computed."""
+        finish_delayed_frees(self.llm)
         assert self.llm.reset_prefix_cache()
         outs = generate(self.llm, prompts)
         return token_ids(outs), cached_tokens(outs)

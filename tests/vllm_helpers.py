@@ -204,6 +204,21 @@ def connector_of(llm: Any) -> Any:
     return getattr(sched, "connector", None)
 
 
+def finish_delayed_frees(llm: Any, max_steps: int = 8) -> None:
+    """Step an engine until no finished request's blocks are held any more.
+
+    A request that finishes with full blocks kvray has not stored yet keeps them
+    (``delay_free``) until the engine's next step has copied them out; ``LLM.generate``
+    returns before that step, so ``reset_prefix_cache()`` right after it may return False
+    (LMCache's connector does the same). ``LLMEngine.step()`` runs that step."""
+    for _ in range(max_steps):
+        sched = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
+        if sched is None or not sched.has_requests():
+            return
+        llm.llm_engine.step()
+    raise AssertionError(f"blocks still held after {max_steps} engine steps")
+
+
 def worker_connector_of(llm: Any) -> Any:
     """The worker-role connector of an in-process, single-rank engine."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -246,6 +261,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
         if r:
             if args.namespace:
                 wait_for_stored_blocks(args.namespace)
+            finish_delayed_frees(llm)
             llm.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = generate(llm, prompts, max_tokens=args.max_tokens)
@@ -342,6 +358,7 @@ def engine_actor(**options: Any) -> Any:
             self, prompts: list[list[int]], max_tokens: int = 8, reset: bool = False
         ) -> dict[str, Any]:
             if reset:
+                finish_delayed_frees(self.llm)
                 self.llm.reset_prefix_cache()
             outs = generate(self.llm, prompts, max_tokens=max_tokens)
             return {"tokens": token_ids(outs), "cached": cached_tokens(outs)}

@@ -10,9 +10,12 @@ Block lifetimes. Workers copy ("gather") a saved block out of the paged cache in
 buffer inside ``wait_for_save`` of the step that planned the store, so once that step's output
 reaches the scheduler no save reads vLLM's blocks any more: a preempted or finished request's
 blocks may be reused right away. The one exception is a request that finishes with full blocks
-not yet stored (decode blocks whose hashes arrived with the last token): ``request_finished``
-keeps its blocks (``delay_free``) for one more step, plans a final store, and the blocks are
-freed when every rank reports the request in ``finished_sending``.
+not yet stored (decode blocks wait for ``decode_store_blocks`` of them, so this is the common
+case for requests that decode past a block): ``request_finished`` keeps its blocks
+(``delay_free``) for one more step, plans a final store, and the blocks are freed when every
+rank reports the request in ``finished_sending``. vLLM's engine loop takes that step by itself;
+an in-process ``LLM`` takes it at its next ``generate`` or ``llm_engine.step()``, so
+``reset_prefix_cache()`` straight after ``generate`` may return False until then.
 """
 
 from __future__ import annotations
