@@ -223,6 +223,9 @@ class KVRayConfig:
     disk_capacity: int = 0
     #: Spill only blocks read at least this many times (0: every block RAM evicts).
     disk_admit_min_hits: int = 0
+    #: Connector: report what the engine's own KV cache holds (vLLM's KV events, taken in
+    #: the scheduler, no ZMQ) to the index's engine tier, for routers; never a load source.
+    engine_tier: bool = True
 
     _extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -259,7 +262,7 @@ class KVRayConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
                 raise ConfigError(name, v, "expected seconds in (0, 3600]")
             object.__setattr__(self, name, float(v))
-        for name in ("verify_checksums", "auto_start"):
+        for name in ("verify_checksums", "auto_start", "engine_tier"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "expected true or false")
         if self.load_mode not in _LOAD_MODES:
