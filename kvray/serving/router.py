@@ -108,7 +108,7 @@ class KVRayRouter(RequestRouter):
             return "no_prompt"
         if self._store is None:
             self._store = shared_store(self._namespace)
-        return PromptTiers.of(self._store.local_view(), hasher, tokens, source.cache_salt)
+        return PromptTiers.of(self._store, hasher, tokens, source.cache_salt)
 
     async def prompt_tiers(self, source: PromptSource) -> PromptTiers | str:
         """:meth:`_tiers` on the router's own thread: Serve's event loop only awaits it."""
