@@ -228,6 +228,9 @@ class KVRayConfig:
     disk_capacity: int = 0
     #: Spill only blocks read at least this many times (0: every block RAM evicts).
     disk_admit_min_hits: int = 0
+    #: Connector: report what the engine's own KV cache holds (vLLM's KV events, taken in
+    #: the scheduler, no ZMQ) to the index's engine tier, for routers; never a load source.
+    engine_tier: bool = True
 
     _extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -267,7 +270,7 @@ class KVRayConfig:
         v = self.decode_store_blocks
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
             raise ConfigError("decode_store_blocks", v, "expected a whole number in [1, 4096]")
-        for name in ("verify_checksums", "auto_start"):
+        for name in ("verify_checksums", "auto_start", "engine_tier"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "expected true or false")
         if self.load_mode not in _LOAD_MODES:

@@ -490,3 +490,136 @@ def test_kv_cache_none_builds_the_same_app_without_kvray() -> None:
         build_llm_config("/models/m", kv_cache="none", router="kvray")
     with pytest.raises(ConfigError, match="kv_cache"):
         build_llm_config("/models/m", kv_cache="lmcache")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the engine tier and the score
+
+
+def _uid(sel: Any) -> str:
+    rid = sel.replica_id
+    return str(getattr(rid, "unique_id", rid))
+
+
+def _engine_held(store: kvray.Store, ns: str, tokens: list[int]) -> dict[str, int]:
+    """Per replica (Serve's unique id): leading blocks of ``tokens`` in its engine cache."""
+    from kvray.meta.ids import engine_ids
+
+    view = store.local_view()
+    counts = view.engine.prefix_by_slot(engine_ids(_hasher(ns).block_hashes(tokens)))
+    return {info.key: int(counts[slot]) for slot, info in view.replicas.items()}
+
+
+def _wait_engine(store: kvray.Store, ns: str, tokens: list[int], cond: Any) -> dict[str, int]:
+    deadline = time.monotonic() + 30
+    while True:
+        held = _engine_held(store, ns, tokens)
+        if cond(held):
+            return held
+        assert time.monotonic() < deadline, f"engine tier never got there: {held}"
+        time.sleep(0.05)
+
+
+def _picks(served: Served, prompt: list[int], n: int) -> list[str]:
+    async def pick() -> str:
+        async with served.handle.choose_replica(_completion(prompt, max_tokens=1), None) as s:
+            return _uid(s)
+
+    return [served.run(pick()) for _ in range(n)]
+
+
+def test_next_turn_follows_the_engine_cache_then_load_then_eviction(served: Served) -> None:
+    """Turn 2 goes where turn 1's blocks sit in the engine; with that replica's queue long it
+    goes elsewhere and the prefix loads from kvray (hits counted); once the engines drop their
+    caches (vLLM's reset, AllBlocksCleared) the router stops preferring the first replica."""
+    from ray.llm._internal.serve.utils.broadcast import broadcast
+
+    ns = served.namespace
+    turn1 = _token_prompt(6 * BLOCK_SIZE + 5, seed=3000)
+    turn2 = turn1 + _token_prompt(2 * BLOCK_SIZE, seed=3001)
+    client = served.client()
+    store = kvray.connect(ns)
+    try:
+        client.completions.create(model=MODEL, prompt=turn1, max_tokens=4, temperature=0)
+        held = _wait_engine(store, ns, turn1, lambda h: max(h.values(), default=0) >= 6)
+        (holder,) = [k for k, c in held.items() if c >= 6]
+        assert _picks(served, turn2, 6) == [holder] * 6
+        _wait_held(store, ns, turn1, 6)  # the holder's connector saved turn 1 to kvray
+
+        async def long_queue(dispatch: bool) -> tuple[int, str, Any, int]:
+            """Requests held on the holder until one goes elsewhere (how many it took)."""
+            from contextlib import AsyncExitStack
+
+            async with AsyncExitStack() as stack:
+                for i in range(12):
+                    req = _completion(turn2, max_tokens=2)
+                    sel = await stack.enter_async_context(served.handle.choose_replica(req, None))
+                    if _uid(sel) != holder:
+                        if not dispatch:
+                            return i, _uid(sel), None, 0
+                        hits0 = store.stats()["totals"]["hits"]
+                        out = await _collect(served.handle.dispatch(sel, req, None))
+                        return i, _uid(sel), out, store.stats()["totals"]["hits"] - hits0
+            raise AssertionError("the holder's queue never sent the turn elsewhere")
+
+        held_before, other, out, hits = served.run(long_queue(True))
+        assert other != holder
+        assert out.usage.prompt_tokens_details.cached_tokens >= 6 * BLOCK_SIZE
+        assert hits >= 6  # loaded from kvray, not recomputed
+
+        # vLLM queues AllBlocksCleared at the reset and hands its events over at the next
+        # scheduler step: small unrelated requests make both engines step.
+        deadline = time.monotonic() + 60
+        for i in range(1000):
+            if max(_engine_held(store, ns, turn1).values(), default=0) == 0:
+                break
+            assert time.monotonic() < deadline, "the engines never dropped their caches"
+            if i % 10 == 0:
+                broadcast(served.handle, "reset_prefix_cache")
+                for j in range(4):
+                    client.completions.create(
+                        model=MODEL, prompt=_token_prompt(8, seed=4000 + i + j), max_tokens=1
+                    )
+            time.sleep(0.1)
+        # The holder keeps kvray's copy on its node (0.8, not 1.0): it is still first for an
+        # idle cluster, but yields to a shorter queue sooner than while its engine held it.
+        held_after, *_ = served.run(long_queue(False))
+        assert held_after < held_before, (held_after, held_before)
+    finally:
+        store.close()
+
+
+def test_text_chat_and_token_prompts_are_scored_off_the_loop(served: Served) -> None:
+    """The router's own lookup (its thread, its loop) finds each kind of prompt in the engine
+    that served it, with the engine's own tokenization and hashing."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest
+
+    from kvray.serving.prompts import prompt_of
+    from kvray.serving.router import KVRayRouter
+
+    text = "".join(f"total_{i} = add(total_{i - 1}, {i})\n" for i in range(1, 40))
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": "next?"}]
+    tokens = _token_prompt(5 * BLOCK_SIZE + 3, seed=3100)
+    client = served.client()
+    client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    client.completions.create(model=MODEL, prompt=tokens, max_tokens=1)
+    router = KVRayRouter.__new__(KVRayRouter)
+    engine = {**ENGINE_ARGS, "model": served.model_path, "served_model_name": [MODEL]}
+    router.initialize_state(namespace=served.namespace, engine_kwargs=engine)
+    deadline = time.monotonic() + 120
+    while router._tokenizer is None or router._store is None:
+        assert time.monotonic() < deadline, "the router's warm-up never finished"
+        time.sleep(0.2)
+    chat = ChatCompletionRequest(model=MODEL, messages=messages, max_tokens=1)
+    for request in (_completion(text, max_tokens=1), chat, _completion(tokens, max_tokens=1)):
+        source = prompt_of(request)
+        assert source is not None
+        end = time.monotonic() + 30
+        while True:
+            tiers = served.run(router.prompt_tiers(source))
+            assert not isinstance(tiers, str), tiers
+            assert tiers.total >= 4
+            if max(c for c, _ in tiers.engine.values()) == tiers.total == tiers.anywhere:
+                break  # in the engine that served it, and in kvray (saved by its connector)
+            assert time.monotonic() < end, f"{type(request).__name__} not in an engine: {tiers}"
+            time.sleep(0.1)

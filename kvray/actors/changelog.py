@@ -23,7 +23,8 @@ _EMPTY_LOCS = np.zeros(0, dtype=np.uint16)
 
 
 class ChangeLog:
-    """Records ``(ids, locs)`` numbered ``floor + 1 .. seq``; the oldest are dropped beyond
+    """Records ``(ids, locs)`` of the CPU tier or ``(ids, masks)`` of the engine tier
+    (:mod:`kvray.meta.engine`), numbered ``floor + 1 .. seq``; the oldest are dropped beyond
     ``MAX_LOG_ENTRIES`` entries (``floor`` counts them). Event-loop thread only."""
 
     def __init__(self) -> None:
@@ -31,7 +32,8 @@ class ChangeLog:
         #: seq of the newest record dropped from the log.
         self.floor = 0
         self.entries = 0
-        self._log: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        #: (ids, locs, engine ids, engine masks); one of the pairs is empty.
+        self._log: deque[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = deque()
         self._changed: asyncio.Event | None = None
 
     def event(self) -> asyncio.Event:
@@ -46,35 +48,47 @@ class ChangeLog:
         self._changed = asyncio.Event()
 
     def record(self, diff: Diff) -> None:
-        if not len(diff):
-            return
+        if len(diff):
+            self._append((diff.ids, diff.locs, _EMPTY_IDS, _EMPTY_IDS))
+
+    def record_engine(self, ids: np.ndarray, masks: np.ndarray) -> None:
+        if ids.size:
+            self._append((_EMPTY_IDS, _EMPTY_LOCS, ids, masks))
+
+    def _append(self, rec: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
         self.seq += 1
-        self._log.append((diff.ids, diff.locs))
-        self.entries += len(diff)
+        self._log.append(rec)
+        self.entries += _size(rec)
         while self.entries > MAX_LOG_ENTRIES and len(self._log) > 1:
-            ids, _ = self._log.popleft()
-            self.entries -= int(ids.size)
+            self.entries -= _size(self._log.popleft())
             self.floor += 1
         self.notify()
 
-    def read(self, since: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """The records after ``since`` (``floor <= since <= seq``) as one pair of arrays, at
-        most about ``MAX_REPLY_ENTRIES`` entries, and the seq they reach."""
-        ids: list[np.ndarray] = []
-        locs: list[np.ndarray] = []
+    def read(self, since: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """The records after ``since`` (``floor <= since <= seq``) as arrays (ids, locs,
+        engine ids, engine masks), at most about ``MAX_REPLY_ENTRIES`` entries, and the seq
+        they reach."""
+        parts: list[list[np.ndarray]] = [[], [], [], []]
         n = 0
         seq = since
-        for rec_ids, rec_locs in itertools.islice(self._log, since - self.floor, None):
-            ids.append(rec_ids)
-            locs.append(rec_locs)
+        for rec in itertools.islice(self._log, since - self.floor, None):
+            for part, arr in zip(parts, rec, strict=True):
+                if arr.size:
+                    part.append(arr)
             seq += 1
-            n += int(rec_ids.size)
+            n += _size(rec)
             if n >= MAX_REPLY_ENTRIES:
                 break
-        if not ids:
-            return _EMPTY_IDS, _EMPTY_LOCS, seq
-        return np.concatenate(ids), np.concatenate(locs), seq
+        empty = (_EMPTY_IDS, _EMPTY_LOCS, _EMPTY_IDS, _EMPTY_IDS)
+        ids, locs, eids, emasks = (
+            np.concatenate(p) if p else e for p, e in zip(parts, empty, strict=True)
+        )
+        return ids, locs, eids, emasks, seq
 
     @property
     def nbytes(self) -> int:
-        return sum(int(i.nbytes + c.nbytes) for i, c in self._log)
+        return sum(sum(int(a.nbytes) for a in rec) for rec in self._log)
+
+
+def _size(rec: tuple[np.ndarray, ...]) -> int:
+    return int(rec[0].size + rec[2].size)

@@ -25,6 +25,7 @@ import numpy as np
 import ray
 
 from kvray.actors.changelog import ChangeLog
+from kvray.actors.engines import EngineTier
 from kvray.config import KVRayConfig
 from kvray.meta.holders import PLACEMENT_BASE, Diff, HolderTable
 from kvray.meta.messages import (
@@ -33,6 +34,7 @@ from kvray.meta.messages import (
     Inventory,
     NodeInfo,
     PoolStatus,
+    ReplicaInfo,
     ShardBatch,
 )
 from kvray.metrics import IndexMetrics
@@ -80,6 +82,7 @@ class IndexShard:
         self._pools: dict[int, _Pool] = {}
         self._nodes_version = 0
         self._feed = ChangeLog()
+        self._engines = EngineTier(shard, self._feed)
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._applied = 0
@@ -99,8 +102,16 @@ class IndexShard:
     def _nodes(self) -> dict[int, NodeInfo]:
         return {slot: p.info for slot, p in self._pools.items() if p.healthy}
 
-    def _reply(self, ids: np.ndarray, locs: np.ndarray, seq: int, snapshot: bool) -> Changes:
+    def _reply(
+        self,
+        ids: np.ndarray,
+        locs: np.ndarray,
+        seq: int,
+        snapshot: bool,
+        engine: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> Changes:
         tuples = self._holders.placements.tuples
+        eids, emasks = engine if engine is not None else (ids[:0], ids[:0])
         codes = np.unique(locs[locs >= PLACEMENT_BASE]).tolist() if locs.size else []
         return Changes(
             shard=self._shard,
@@ -112,6 +123,9 @@ class IndexShard:
             nodes=self._nodes(),
             nodes_version=self._nodes_version,
             snapshot=snapshot,
+            engine_ids=eids,
+            engine_masks=emasks,
+            replicas=self._engines.replicas(),
         )
 
     def _stopped(self) -> Changes:
@@ -139,12 +153,26 @@ class IndexShard:
                 return self._stopped()
             if since < self._feed.floor:
                 return self._snapshot()
-        ids, locs, seq = self._feed.read(since)
-        return self._reply(ids, locs, seq, snapshot=False)
+        ids, locs, eids, emasks, seq = self._feed.read(since)
+        return self._reply(ids, locs, seq, snapshot=False, engine=(eids, emasks))
 
     def _snapshot(self) -> Changes:
         ids, locs = self._holders.visible()
-        return self._reply(ids, locs, self._feed.seq, snapshot=True)
+        return self._reply(ids, locs, self._feed.seq, True, engine=self._engines.holders.items())
+
+    # ------------------------------------------------------------------ engine tier
+    def engine_register(self, key: str, node_id: str, incarnation: str) -> int:
+        """A slot for an engine that reports its cache (shard 0 gives them; -1: none free)."""
+        return self._engines.register(key, node_id, incarnation)
+
+    def engine_update(
+        self, info: ReplicaInfo, add: np.ndarray, remove: np.ndarray, full: bool = False
+    ) -> bool:
+        """An engine's report of this shard's id range (:mod:`kvray.actors.engines`)."""
+        return self._engines.update(info, add, remove, full)
+
+    def engine_drop(self, slot: int, incarnation: str) -> None:
+        self._engines.drop(slot, incarnation)
 
     async def barrier(self, timeout: float = 10.0) -> tuple[str, int]:
         """(epoch, seq) once every update a healthy pool sent before this call is applied.
@@ -329,6 +357,7 @@ class IndexShard:
                     self._spawn_resync(slot, "updates lost")
             else:
                 pool.lag_ticks = 0
+        self._engines.sweep()
         self._metrics.size(len(self._holders), sum(p.healthy for p in self._pools.values()))
         self._metrics.memory(self._nbytes(), self._feed.entries)
 
@@ -341,7 +370,7 @@ class IndexShard:
         return self._epoch, self._feed.seq
 
     def _nbytes(self) -> int:
-        return self._holders.nbytes + self._feed.nbytes
+        return self._holders.nbytes + self._feed.nbytes + self._engines.holders.nbytes
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -359,6 +388,7 @@ class IndexShard:
             "resyncs": self._resyncs,
             "bytes": self._nbytes(),
             "rss_bytes": _rss(),
+            **self._engines.stats(),
         }
 
     def shutdown(self) -> None:

@@ -28,6 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvray.config import KVRayConfig
 from kvray.connector.cluster import close_store, open_store
+from kvray.connector.engine import EngineReporter
 from kvray.connector.keys import EngineKeySpace, build_key_space
 from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import KVRayConnectorMetadata, KVRayWorkerMetadata
@@ -162,6 +163,7 @@ class KVRayConnector(KVConnectorBase_V1):
         self.connector_scheduler: KVRayConnectorScheduler | None = None
         self.connector_worker: KVRayConnectorWorker | None = None
         self.manager: KVRayCacheManager | None = None
+        self.engine_reporter: EngineReporter | None = None
         if is_scheduler:
             events = getattr(vllm_config, "kv_events_config", None)
             self.manager = KVRayCacheManager(
@@ -255,7 +257,23 @@ class KVRayConnector(KVConnectorBase_V1):
             return None
         return self.connector_worker.build_connector_worker_meta()
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """The scheduler's block pool: its KV events feed the engine tier (routing only)."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if self.connector_scheduler is None or not self.config.engine_tier:
+            return
+        if self.engine_reporter is not None:
+            return
+        from kvray.actors.join import local_node_id
+
+        self.engine_reporter = EngineReporter(
+            self.config.namespace, self.store.num_index_shards, local_node_id()
+        )
+        self.engine_reporter.install(gpu_block_pool)
+
     def shutdown(self) -> None:
+        if self.engine_reporter is not None:
+            self.engine_reporter.close()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
         if self.connector_scheduler is not None:

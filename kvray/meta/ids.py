@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["EMPTY", "TOMB", "index_shard_of", "key_ids", "shard_ids"]
+__all__ = ["EMPTY", "TOMB", "engine_ids", "index_shard_of", "key_ids", "shard_ids"]
 
 EMPTY = np.uint64(0)
 TOMB = np.uint64(1)
@@ -31,6 +31,21 @@ def _reserve(ids: np.ndarray) -> np.ndarray:
 def key_ids(keys: Sequence[bytes]) -> np.ndarray:
     """The ids of ``keys`` (uint64, never 0 or 1): xxh3-64 of each key, ~80 ns a key."""
     ids = np.fromiter(map(xxhash.xxh3_64_intdigest, keys), dtype=np.uint64, count=len(keys))
+    return _reserve(ids)
+
+
+def engine_ids(hashes: Sequence[bytes | int]) -> np.ndarray:
+    """Ids of vLLM block hashes in the engine tier: the hash's low 64 bits, as vLLM's KV events
+    give them (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the default); a 32-byte hash gives
+    the same id (its last 8 bytes, big-endian). Chained hashes: a prefix's id names its tokens
+    and everything before them."""
+    if not hashes:
+        return np.zeros(0, dtype=np.uint64)
+    if isinstance(hashes[0], int):
+        ids = np.fromiter(hashes, dtype=np.uint64, count=len(hashes))
+    else:
+        tails = b"".join(bytes(h)[-8:].rjust(8, b"\0") for h in hashes)  # type: ignore[arg-type]
+        ids = np.frombuffer(tails, dtype=">u8").astype(np.uint64)
     return _reserve(ids)
 
 

@@ -138,6 +138,29 @@ class PoolStatus:
     versions: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """A vLLM engine that reports its own KV cache (the engine tier), as routers see it.
+
+    ``slot`` is its bit in the engine tier's holder masks (0-63, given by index shard 0);
+    ``key`` the Serve replica's unique id (or ``host:pid`` outside Serve); ``incarnation``
+    changes at every engine start, so a restarted engine never inherits the old one's blocks.
+    """
+
+    slot: int
+    key: str
+    node_id: str
+    incarnation: str
+    #: Fraction of the engine's KV blocks in use (0-1) at its last report.
+    usage: float = 0.0
+    #: Engine blocks it holds (as last reported).
+    blocks: int = 0
+
+
+def _empty_ids() -> np.ndarray:
+    return np.zeros(0, dtype=np.uint64)
+
+
 @dataclass(kw_only=True)
 class Changes:
     """One answer of an index shard's change feed.
@@ -158,5 +181,12 @@ class Changes:
     nodes: dict[int, NodeInfo] = field(default_factory=dict)
     nodes_version: int = 0
     snapshot: bool = False
+    #: Engine tier (never a load source): ``engine_masks[i]`` is the set of replica slots
+    #: (bit ``r``: :class:`ReplicaInfo` ``slot == r``) whose engine cache holds block
+    #: ``engine_ids[i]``; 0: none any more. Applied like ``ids``/``locs``.
+    engine_ids: np.ndarray = field(default_factory=_empty_ids)
+    engine_masks: np.ndarray = field(default_factory=_empty_ids)
+    #: Engines reporting to this shard, by slot (replaces the previous answer's).
+    replicas: dict[int, ReplicaInfo] = field(default_factory=dict)
     #: The index is being stopped (``kvray.stop``): clients clear their view of it.
     stopped: bool = False

@@ -8,15 +8,19 @@ A snapshot is built aside and swapped in, so a lookup never sees a half-loaded v
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
+from kvray.meta.engine import EngineView
 from kvray.meta.holders import decode_slots, split_positions
 from kvray.meta.ids import index_shard_of
 from kvray.meta.idtable import IdTable
-from kvray.meta.messages import Changes, NodeInfo
+from kvray.meta.messages import Changes, NodeInfo, ReplicaInfo
 
 __all__ = ["LocalView"]
+
+_V = TypeVar("_V")
 
 #: Called with (ids that became visible, ids that stopped being visible) after each apply.
 Listener = Callable[[np.ndarray, np.ndarray], None]
@@ -35,6 +39,11 @@ class LocalView:
         #: slot -> pool, merged over the shards' tables.
         self.nodes: dict[int, NodeInfo] = {}
         self.listener: Listener | None = None
+        #: The engine tier (routing only, never a load source: lookups above never read it).
+        self.engine = EngineView(num_shards)
+        self._replicas_of: list[dict[int, ReplicaInfo]] = [{} for _ in range(num_shards)]
+        #: slot -> reporting engine, merged over the shards.
+        self.replicas: dict[int, ReplicaInfo] = {}
 
     def __len__(self) -> int:
         return len(self.table)
@@ -49,11 +58,15 @@ class LocalView:
         if ch.snapshot:
             self._load_shard(s, ch.ids, ch.locs)
             self.placements[s] = dict(ch.placements)
+            self.engine.load_shard(s, ch.engine_ids, ch.engine_masks)
         else:
             self.placements[s].update(ch.placements)
             self._apply_records(ch.ids, ch.locs)
+            self.engine.apply(ch.engine_ids, ch.engine_masks)
         self._nodes_of[s] = ch.nodes
         self.nodes = _merge(self._nodes_of)
+        self._replicas_of[s] = ch.replicas
+        self.replicas = _merge(self._replicas_of)
         self.epochs[s], self.seqs[s] = ch.epoch, ch.seq
 
     def load(self, snapshots: list[Changes]) -> None:
@@ -66,11 +79,17 @@ class LocalView:
             np.concatenate([ch.ids for ch in snapshots]),
             loc=np.concatenate([ch.locs for ch in snapshots]),
         )
+        self.engine.table.load(
+            np.concatenate([ch.engine_ids for ch in snapshots]),
+            mask=np.concatenate([ch.engine_masks for ch in snapshots]),
+        )
         for ch in snapshots:
+            self._replicas_of[ch.shard] = ch.replicas
             self.placements[ch.shard] = dict(ch.placements)
             self._nodes_of[ch.shard] = ch.nodes
             self.epochs[ch.shard], self.seqs[ch.shard] = ch.epoch, ch.seq
         self.nodes = _merge(self._nodes_of)
+        self.replicas = _merge(self._replicas_of)
 
     def _apply_records(self, ids: np.ndarray, locs: np.ndarray) -> None:
         if not ids.size:
@@ -108,6 +127,9 @@ class LocalView:
         self.placements[shard] = {}
         self._nodes_of[shard] = {}
         self.nodes = _merge(self._nodes_of)
+        self.engine.load_shard(shard, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64))
+        self._replicas_of[shard] = {}
+        self.replicas = _merge(self._replicas_of)
         self.epochs[shard], self.seqs[shard] = "", -1
 
     # ------------------------------------------------------------------ reads (any thread)
@@ -139,8 +161,8 @@ class LocalView:
         return {slot: n.pool_name for slot, n in self.nodes.items()}
 
 
-def _merge(tables: list[dict[int, NodeInfo]]) -> dict[int, NodeInfo]:
-    out: dict[int, NodeInfo] = {}
+def _merge(tables: list[dict[int, _V]]) -> dict[int, _V]:
+    out: dict[int, _V] = {}
     for t in tables:
         out.update(t)
     return out

@@ -27,6 +27,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnector
 from kvray.actors.join import NODE_ENV
 from kvray.callers import outermost_caller
 from kvray.config import ConfigError, KVRayConfig
+from kvray.meta.engine import REPLICA_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
             # vLLM's engine processes inherit it: they write to this replica's node's pool
             # even where Ray attaches them to another raylet of the host.
             os.environ.setdefault(NODE_ENV, ray.get_runtime_context().get_node_id())
+            # The engine tier names this replica as Serve's router sees it.
+            os.environ[REPLICA_ENV] = _replica_id() or os.environ.get(REPLICA_ENV, "")
         # The engine processes inherit this too (read by vLLM-CPU only; a user's value wins).
         os.environ.setdefault(
             RESERVED_CPU_ENV, str(cpu_reservation(dict(self.llm_config.engine_kwargs)))
@@ -77,6 +80,16 @@ class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
         logger.info(
             "kvray backend: replica joins namespace %r at %s", config.namespace, config.address
         )
+
+
+def _replica_id() -> str | None:
+    """This Serve replica's unique id (``RunningReplica.replica_id.unique_id``), if any."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:
+        return None
 
 
 def _complete_entry(ktc: dict[str, Any]) -> KVRayConfig:

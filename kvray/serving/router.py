@@ -1,31 +1,35 @@
-"""``KVRayRouter``: a Ray Serve request router that sends a prompt to where kvray holds its prefix.
+"""``KVRayRouter``: a Ray Serve request router that scores every cache tier and the load.
 
-For each request it computes the kvray keys of the prompt's full blocks (see
-:mod:`kvray.serving.prompts`), asks kvray's local view (no actor call) how many leading blocks
-each node's pool holds, and ranks the replicas on the node holding the longest prefix first:
-there the prefix is in vLLM's own cache or loads from the node's pool without crossing the
-network. It never piles everything on one replica: when the preferred replicas' queues are
-longer than the least loaded replica's by more than ``imbalanced_threshold`` requests, the
-least loaded replica gets the request (kvray's pools make a cross-node prefix cheap there
-too). Prompts with no cached prefix go to the shorter queue of two random replicas (power of
-two choices). Selected with
+For each request it computes the prompt's block hashes (token ids from the request, or from
+vLLM's own renderer for text and chat; see :mod:`kvray.serving.prompts`), then reads kvray's
+local view (no actor call): per replica, how many leading blocks its own engine cache holds
+(the engine tier, reported by each replica's connector), how many kvray's pool on its node
+holds, and how many kvray holds anywhere. Each candidate gets the score of
+:mod:`kvray.serving.score` (tiers weighted 1.0 / 0.8 / 0.5, minus its queue and its engine's
+KV usage); the best goes first, ties by power of two choices. Prompts with nothing to score
+go to the shorter queue of two random replicas.
+
+The whole lookup (tokenizing, hashing, reading the view) runs on the router's own thread and
+event loop, never on Serve's. Decisions are counted by reason (metric
+``kvray_router_decisions``). Selected with
 ``RequestRouterConfig(request_router_class=KVRayRouter, request_router_kwargs={...})``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvray.config import ConfigError, check_namespace
-from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of, token_ids_of
+from kvray.config import check_namespace
+from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of
+from kvray.serving.score import Candidate, Weights, pick
 from kvray.serving.tokenize import EngineTokenizer
-from kvray.serving.view import KeySpaceCache, decision_metric, held_blocks_by_node, shared_store
+from kvray.serving.view import KeySpaceCache, LookupLoop, PromptTiers, decision_metric, shared_store
 from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)
@@ -33,36 +37,38 @@ logger = logging.getLogger(__name__)
 __all__ = ["KVRayRouter"]
 
 #: Decision reasons counted (metric ``kvray_router_decisions``).
-REASONS = ("prefix", "imbalanced", "cold", "no_prompt", "no_key_space", "error")
+REASONS = (
+    "engine",
+    "kvray_node",
+    "kvray_remote",
+    "balanced",
+    "cold",
+    "no_prompt",
+    "no_key_space",
+    "error",
+)
 
 
 class KVRayRouter(RequestRouter):
-    """Prefers the replicas on the node whose kvray pool holds the longest prompt prefix."""
+    """Scores each replica by the prompt prefix its engine and kvray hold, and its load."""
 
     def initialize_state(
         self,
         namespace: str = "default",
         engine_kwargs: dict[str, Any] | None = None,
-        imbalanced_threshold: int = 1,
-        min_blocks: int = 1,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         """``engine_kwargs``: the engine's arguments (``model`` included) for the pre-routing
-        tokenizer of text and chat prompts; without them only token-id prompts are routed by
-        prefix."""
+        tokenizer of text and chat prompts; without them only token-id prompts are scored.
+        ``weights``: the score's weights by name (:class:`~kvray.serving.score.Weights`)."""
         check_namespace(namespace)
-        for name, value, low in (
-            ("imbalanced_threshold", imbalanced_threshold, 0),
-            ("min_blocks", min_blocks, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(name, value, f"KVRayRouter expects an integer >= {low}")
         self._namespace = namespace
-        self._imbalanced_threshold = imbalanced_threshold
-        self._min_blocks = min_blocks
+        self._weights = Weights.of(weights)
         self._engine_kwargs = engine_kwargs
         self._tokenizer: TokenizerLike | None = None
         self._store: Any = None
         self._spaces = KeySpaceCache(namespace)
+        self._lookups = LookupLoop(f"KVRayRouter of {namespace!r}")
         self.decisions: Counter[str] = Counter()
         self._metric = decision_metric(namespace, REASONS)
         # One shot, supervised: a failure is logged and counted (``thread_deaths``); the store
@@ -73,7 +79,7 @@ class KVRayRouter(RequestRouter):
 
     @property
     def thread_deaths(self) -> int:
-        return self._init.deaths
+        return self._init.deaths + self._lookups.deaths
 
     # ------------------------------------------------------------ background setup
     def _warm_up(self) -> None:
@@ -88,22 +94,27 @@ class KVRayRouter(RequestRouter):
             except Exception:
                 logger.exception("KVRayRouter: no tokenizer; text prompts route by load only")
 
-    # ------------------------------------------------------------ routing
-    async def held_blocks(self, source: PromptSource) -> dict[str, int] | None:
-        """Per node, how many leading blocks of the prompt kvray holds; None: not known."""
-        hasher = await asyncio.to_thread(self._spaces.hasher, source.model)
+    # ------------------------------------------------------------ lookups (router's loop)
+    async def _tiers(self, source: PromptSource) -> PromptTiers | str:
+        """The prompt's prefix in every tier, or the reason it has none (runs on the lookup
+        thread's loop)."""
+        hasher = self._spaces.hasher(source.model)
         if hasher is None:
-            self._count("no_key_space")
-            return None
-        tokens = await token_ids_of(source, self._tokenizer)
+            return "no_key_space"
+        tokens = source.token_ids
+        if tokens is None and self._tokenizer is not None and source.request is not None:
+            tokens = await self._tokenizer.token_ids(source.request)
         if not tokens:
-            self._count("no_prompt")
-            return None
+            return "no_prompt"
         if self._store is None:
-            self._store = await asyncio.to_thread(shared_store, self._namespace)
-        hashes = hasher.block_hashes(tokens, source.cache_salt)
-        return held_blocks_by_node(self._store.prefix_by_node, hasher.keys_per_shard(hashes))
+            self._store = shared_store(self._namespace)
+        return PromptTiers.of(self._store, hasher, tokens, source.cache_salt)
 
+    async def prompt_tiers(self, source: PromptSource) -> PromptTiers | str:
+        """:meth:`_tiers` on the router's own thread: Serve's event loop only awaits it."""
+        return await self._lookups.run(self._tiers(source))
+
+    # ------------------------------------------------------------ routing
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -114,33 +125,32 @@ class KVRayRouter(RequestRouter):
         source = None
         if pending_request is not None and pending_request.args:
             source = prompt_of(pending_request.args[0])
-        held: dict[str, int] | None = None
-        if source is None:
-            self._count("no_prompt")
-        else:
+        tiers: PromptTiers | str = "no_prompt"
+        if source is not None:
             try:
-                held = await self.held_blocks(source)
+                tiers = await self.prompt_tiers(source)
             except Exception as e:  # routing must not fail a request: fall back to load
                 logger.warning("KVRayRouter: prefix lookup failed: %s: %s", type(e).__name__, e)
-                self._count("error")
-        if held:
-            best = max(held.get(r.node_id, 0) for r in candidate_replicas)
-            if best >= self._min_blocks:
-                preferred = [r for r in candidate_replicas if held.get(r.node_id, 0) == best]
-                queues = await self._queue_lens(candidate_replicas)
-                least = min(queues.values())
-                if min(queues[r.replica_id] for r in preferred) - least <= (
-                    self._imbalanced_threshold
-                ):
-                    self._count("prefix")
-                    rest = [r for r in candidate_replicas if r not in preferred]
-                    return [preferred, rest] if rest else [preferred]
-                self._count("imbalanced")
-                return [[r for r in candidate_replicas if queues[r.replica_id] == least]]
-        if source is not None and held is not None:
-            self._count("cold")
-        two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
-        return [two]
+                tiers = "error"
+        if isinstance(tiers, str) or not tiers.total:
+            self._count(tiers if isinstance(tiers, str) else "no_prompt")
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        queues = await self._queue_lens(candidate_replicas)
+        cands = [self._candidate(r, tiers, queues[r.replica_id]) for r in candidate_replicas]
+        ranked, reason = pick(candidate_replicas, tiers.total, cands, self._weights)
+        self._count(reason)
+        return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+
+    @staticmethod
+    def _candidate(r: RunningReplica, tiers: PromptTiers, queue: float) -> Candidate:
+        engine, usage = tiers.engine.get(r.replica_id.unique_id, (0, 0.0))
+        return Candidate(
+            engine=engine,
+            node_pool=tiers.by_node.get(r.node_id, 0),
+            anywhere=tiers.anywhere,
+            queue=min(queue, 1e6),  # a replica that did not answer the probe: last
+            usage=usage,
+        )
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[Any, float]:
         """Ongoing requests per replica: the router's cache, probing the ones missing."""

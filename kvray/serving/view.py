@@ -7,26 +7,41 @@ of :mod:`kvray.stores`, the key-space cache) must be imported there, not pickled
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvray import stores
 from kvray.config import KVRayConfig
+from kvray.meta.ids import engine_ids, key_ids
 from kvray.registry import key_spaces
 from kvray.serving.prompts import BlockHasher
+from kvray.threads import SupervisedThread
 
 if TYPE_CHECKING:
     from kvray.client import Store
 
-__all__ = ["KeySpaceCache", "decision_metric", "held_blocks_by_node", "shared_store"]
+__all__ = [
+    "KeySpaceCache",
+    "LookupLoop",
+    "PromptTiers",
+    "decision_metric",
+    "held_blocks_by_node",
+    "shared_store",
+]
 
 #: How long a model's published key space is reused before it is read again.
 KEY_SPACE_TTL_S = 5.0
 #: Models whose key space a cache remembers (least recently used beyond).
 MAX_MODELS = 64
+#: Longest a routing lookup may take; past it the request is routed by load.
+LOOKUP_TIMEOUT_S = 2.0
+
+_T = TypeVar("_T")
 
 
 def shared_store(namespace: str) -> Store:
@@ -99,3 +114,53 @@ def decision_metric(namespace: str, reasons: Sequence[str]) -> Any:
     for reason in reasons:
         export_zero(counter, {"reason": reason, "namespace": namespace})
     return counter
+
+
+@dataclass(frozen=True)
+class PromptTiers:
+    """A prompt's prefix in every tier: ``total`` full blocks; per replica key, (leading blocks
+    in its engine cache, its engine's KV usage); per node, leading blocks in kvray's pool
+    there; leading blocks kvray holds anywhere."""
+
+    total: int
+    engine: dict[str, tuple[int, float]]
+    by_node: dict[str, int]
+    anywhere: int
+
+    @classmethod
+    def of(
+        cls, store: Store, hasher: BlockHasher, tokens: Sequence[int], salt: str | None
+    ) -> PromptTiers:
+        hashes = hasher.block_hashes(tokens, salt)
+        if not hashes:
+            return cls(0, {}, {}, 0)
+        view = store.local_view()
+        per_shard = hasher.keys_per_shard(hashes)
+        by_node = held_blocks_by_node(store.prefix_by_node, per_shard)
+        anywhere = min(view.lookup(key_ids(keys)) for keys in per_shard)
+        counts = view.engine.prefix_by_slot(engine_ids(hashes))
+        engine = {info.key: (int(counts[slot]), info.usage) for slot, info in view.replicas.items()}
+        return cls(len(hashes), engine, by_node, anywhere)
+
+
+class LookupLoop:
+    """An event loop on a supervised thread of its own: routing lookups (the tokenizer's
+    coroutines included) run there, so Serve's loop only awaits their result."""
+
+    def __init__(self, owner: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = SupervisedThread(
+            self._loop.run_forever, "kvray-router-lookup", owner, restarts=3
+        ).start()
+
+    @property
+    def deaths(self) -> int:
+        return self._thread.deaths
+
+    async def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), LOOKUP_TIMEOUT_S)
+        except TimeoutError:
+            fut.cancel()
+            raise

@@ -1,0 +1,143 @@
+"""The router's score: what a replica saves of a prompt's prefill, against the load it carries.
+
+For a prompt of ``n`` full blocks and a candidate replica, the prefix splits into tiers:
+
+- ``engine``: leading blocks in the replica's own engine cache (vLLM's prefix cache: no load,
+  no compute);
+- ``local``: the next ones that kvray's pool on the replica's node holds (a zero-copy load);
+- ``remote``: the next ones kvray holds only on another node (a cross-node pull);
+- the rest is computed.
+
+``score = (w_engine * engine + w_local * local + w_remote * remote) / n
+          - w_queue * ongoing_requests - w_usage * engine_kv_usage``
+
+Defaults (:class:`Weights`): ``engine`` 1.0 and ``local`` 0.8 are llm-d's precise-prefix
+scorer's anchors (GPU hit 1.0, CPU tier 0.8); on this box a kvray hit of a 2,048-token prefix
+costs ~0.11-0.2 s against vLLM's own hit 0.08 s and a 1.7-7.8 s recompute, so a local load is
+worth most of an engine hit. ``remote`` 0.5: a cross-node pull moves the bytes at 0.5-0.8 GB/s
+between simulated nodes, several times a local read. ``queue`` 0.1 per ongoing request: a
+replica holding the whole prompt in its engine keeps it against a same-node replica (which
+would load it from kvray: 0.2 of a prompt apart) until it has two more requests in flight,
+and against a cold replica until ten; past that, waiting behind other requests costs more than
+the prefill saved. ``usage`` 0.2: a replica whose cache is full evicts others' prefixes to take
+a new one. Scores within ``tie`` of the best are ties, broken by power of two choices (the
+shorter queue of two sampled).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from kvray.config import ConfigError
+
+__all__ = ["Candidate", "Tiers", "Weights", "pick", "split_tiers"]
+
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The score's weights (``KVRayRouter``'s ``weights`` kwarg, by name)."""
+
+    engine: float = 1.0
+    local: float = 0.8
+    remote: float = 0.5
+    queue: float = 0.1
+    usage: float = 0.2
+    tie: float = 0.02
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ConfigError(f"weights.{f.name}", v, "expected a finite number")
+            if v < 0:
+                raise ConfigError(f"weights.{f.name}", v, "must not be negative")
+            object.__setattr__(self, f.name, float(v))
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any] | None) -> Weights:
+        given = dict(values or {})
+        names = {f.name for f in fields(cls)}
+        for k, v in given.items():
+            if k not in names:
+                raise ConfigError(f"weights.{k}", v, f"known weights: {sorted(names)}")
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the router knows of one replica for one prompt (blocks are leading blocks)."""
+
+    engine: int = 0
+    node_pool: int = 0
+    anywhere: int = 0
+    queue: float = 0.0
+    usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tiers:
+    engine: int
+    local: int
+    remote: int
+    computed: int
+
+
+def split_tiers(total: int, c: Candidate) -> Tiers:
+    """Where each of the prompt's ``total`` blocks would come from on replica ``c``."""
+    e = min(c.engine, total)
+    pool = min(c.node_pool, total)
+    kv = min(max(c.anywhere, pool), total)
+    local = max(0, pool - e)
+    remote = max(0, kv - max(e, pool))
+    return Tiers(e, local, remote, total - max(e, kv))
+
+
+def score(total: int, c: Candidate, w: Weights) -> float:
+    t = split_tiers(total, c)
+    hit = (w.engine * t.engine + w.local * t.local + w.remote * t.remote) / total if total else 0.0
+    return hit - w.queue * c.queue - w.usage * c.usage
+
+
+def reason_of(t: Tiers) -> str:
+    """The tier a decision rests on (metric ``kvray_router_decisions``' reason)."""
+    if t.engine:
+        return "engine"
+    if t.local:
+        return "kvray_node"
+    if t.remote:
+        return "kvray_remote"
+    return "cold"
+
+
+def pick(
+    replicas: Sequence[_R],
+    total: int,
+    candidates: Sequence[Candidate],
+    w: Weights,
+    rng: random.Random | None = None,
+) -> tuple[list[_R], str]:
+    """Replicas best first, and the reason of the decision: the tier the chosen replica's
+    prefix rests on, or ``balanced`` when load made another than the best hit win."""
+    rng = rng or random
+    scores = [score(total, c, w) for c in candidates]
+    best = max(scores)
+    tied = [i for i, s in enumerate(scores) if s >= best - w.tie]
+    if len(tied) > 1:  # power of two choices among the ties
+        two = rng.sample(tied, 2)
+        first = min(two, key=lambda i: (candidates[i].queue, scores[i] * -1))
+    else:
+        first = tied[0]
+    rest = sorted((i for i in range(len(replicas)) if i != first), key=lambda i: -scores[i])
+    order = [first, *rest]
+    tiers = [split_tiers(total, c) for c in candidates]
+    hit = [t.engine * w.engine + t.local * w.local + t.remote * w.remote for t in tiers]
+    reason = reason_of(tiers[first])
+    if hit[first] < max(hit):
+        reason = "balanced"
+    return [replicas[i] for i in order], reason
