@@ -309,6 +309,10 @@ def serve(
         list[str] | None,
         typer.Option(help="vLLM engine argument key=value (repeatable), e.g. max_model_len=4096"),
     ] = None,
+    pd: Annotated[
+        str | None,
+        typer.Option(help="P:D: prefill/decode disaggregation, P prefill and D decode replicas"),
+    ] = None,
 ) -> None:
     """vLLM's OpenAI server on Ray Serve LLM, kvray on every replica, routed by kvray."""
     from kvray.actors.join import ensure_ray
@@ -329,6 +333,7 @@ def serve(
         num_gpus=num_gpus,
         router=router,
         kv_cache=kv_cache,
+        pd=pd,
     )
 
 
@@ -343,19 +348,26 @@ def _serve_until_interrupted(
     import kvray
     from kvray.serve import build_app
 
+    if app_args.get("pd") is None:
+        app_args.pop("pd", None)
     app_obj = build_app(model, namespace=cfg.namespace, **app_args)  # validates first
     if app_args.get("kv_cache", "kvray") == "kvray":
         kvray.start(cfg)
     serve.start(http_options={"host": host, "port": port})
     name = f"kvray-{cfg.namespace}"
-    with console.status(f"starting {app_args['replicas']} vLLM replica(s) on Ray Serve LLM"):
+    what = (
+        f"{app_args['replicas']} replica(s)"
+        if app_args.get("pd") is None
+        else f"prefill:decode {app_args['pd']} replicas"
+    )
+    with console.status(f"starting {what} (vLLM) on Ray Serve LLM"):
         try:
             serve.run(app_obj, name=name, route_prefix="/")
         except RuntimeError as e:  # Serve's "deployment failed", with the replica's error
             raise KVRayError(f"kvray serve: the app did not start: {e}") from e
     served = app_args.get("served_model_name") or model
     console.print(
-        f"kvray serve: {app_args['replicas']} replica(s) of [bold]{served}[/] at "
+        f"kvray serve: {what} of [bold]{served}[/] at "
         f"http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)"
     )
     try:

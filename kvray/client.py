@@ -271,6 +271,11 @@ class Store:
         self.tally.add(bytes_loaded=sum(a.nbytes for a in fetched.arrays[:n]))
         return n
 
+    @property
+    def local_pool(self) -> str:
+        """The pool this client's puts go to (its node's)."""
+        return self.io.local_pool
+
     def io_pools(self) -> dict[int, str]:
         return self.feed.view.pool_names() if self.feed is not None else {}
 

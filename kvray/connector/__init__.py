@@ -176,6 +176,7 @@ class KVRayConnector(KVConnectorBase_V1):
                 self.key_space,
                 self.manager,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                local_pool=self.store.local_pool,
             )
             _publish_key_space(self.config, self.key_space, vllm_config)
         else:

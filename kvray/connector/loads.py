@@ -22,6 +22,11 @@ from kvray.meta.ids import key_ids
 
 __all__ = ["LoadJob", "TransferStore"]
 
+#: A pool's reason for a block it does not hold (yet): a handoff looks for it again.
+NOT_YET = "evicted or never stored"
+#: Pause between a handoff's looks for blocks still being put.
+RETRY_S = 0.005
+
 
 @dataclass
 class LoadJob:
@@ -33,6 +38,7 @@ class LoadJob:
     slots: list[list[int]]
     pools: dict[int, str]
     t0: float = field(default_factory=time.perf_counter)
+    t0_mono: float = field(default_factory=time.monotonic)
     #: One per part, all cut to the blocks every part could read.
     fetched: list[Fetched] = field(default_factory=list)
     why: str = ""
@@ -71,9 +77,22 @@ class LoadJob:
 
     def fetch(self, store: TransferStore, deadline: float, timeout_s: float) -> None:
         """Fetch every stored shard the rank needs (later shards only the blocks the earlier
-        ones could read); keep the blocks all of them could read."""
+        ones could read); keep the blocks all of them could read. A handoff (``wait_s``)
+        fetches again while blocks are not in their pool yet (a prefill still putting
+        them), until ``wait_s`` after the job started."""
         if not self.parts:
             return
+        until = min(deadline, self.t0_mono + self.spec.wait_s)
+        while True:
+            self._fetch_once(store, deadline, timeout_s)
+            if self.readable == len(self.keys) or not self.why.startswith(NOT_YET):
+                return
+            if time.monotonic() + RETRY_S >= until:
+                return
+            time.sleep(RETRY_S)
+
+    def _fetch_once(self, store: TransferStore, deadline: float, timeout_s: float) -> None:
+        self.why, self.fetched = "", []
         ids = key_ids(self.keys)
         n = len(self.keys)
         got: list[Fetched] = []

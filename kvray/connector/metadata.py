@@ -43,6 +43,9 @@ class LoadSpec:
     #: Shards the blocks were stored in (their head grouping; 0: the engine's own). Each rank
     #: reads the stored shards holding its heads (:func:`kvray.kernels.heads.head_parts`).
     grouping: int = 0
+    #: A prefill's handoff: blocks not (yet) in their pool are looked for again for this long
+    #: (the prefill may still be putting them), then reported failed.
+    wait_s: float = 0.0
 
 
 @dataclass
@@ -57,6 +60,9 @@ class StoreSpec:
     block_ids: list[int]
     block_hashes: list[bytes]
     finish: bool = False
+    #: With ``finish``: report ``finished_sending`` only once every put of the request is
+    #: owned by a pool (a prefill handing its blocks to a remote decode), not once gathered.
+    hold: bool = False
 
 
 @dataclass

@@ -44,6 +44,7 @@ class StorePath:
     _meta: KVRayWorkerMetadata
     _finished_sending: set[ReqId]
     _puts: dict[JobId, list[Future[PutResult]]]
+    _put_reqs: dict[JobId, ReqId]
 
     def submit_store(self, job_id: JobId, spec: StoreSpec) -> None:
         """Gather the job's blocks into staging (in pieces that fit) and put them; a piece
@@ -110,7 +111,9 @@ class StorePath:
         self, job_id: JobId, spec: StoreSpec, futures: list[Future[PutResult]], *, ok: bool
     ) -> None:
         """The job completes when every piece is owned by a pool (or failed)."""
-        if spec.finish:
+        if spec.finish and spec.hold:
+            self._release_when_stored(spec.req_id, futures)
+        elif spec.finish:
             with self._lock:  # the paged blocks are no longer read: vLLM may free them
                 self._finished_sending.add(spec.req_id)
         if not futures:
@@ -130,11 +133,36 @@ class StorePath:
                 left[0] -= 1
                 if left[0] == 0:
                     self._puts.pop(job_id, None)
+                    self._put_reqs.pop(job_id, None)
                     self._meta.mark(job_id, ok=not failed[0])
 
         with self._lock:
             self._puts[job_id] = futures
+            self._put_reqs[job_id] = spec.req_id
         for f in futures:
+            f.add_done_callback(one_done)
+
+    def _release_when_stored(self, req_id: ReqId, futures: list[Future[PutResult]]) -> None:
+        """Report ``req_id`` in ``finished_sending`` once its puts in flight (``futures`` and
+        those of its earlier jobs) are owned by a pool or failed: bounded by the puts'
+        ``put_timeout_s``."""
+        with self._lock:
+            jobs = [j for j, r in self._put_reqs.items() if r == req_id]
+            pending = [f for j in jobs for f in self._puts.get(j, [])]
+        pending = [f for f in pending + futures if not f.done()]
+        left = [len(pending)]
+
+        def one_done(_: Future[PutResult]) -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._finished_sending.add(req_id)
+
+        if not pending:
+            with self._lock:
+                self._finished_sending.add(req_id)
+            return
+        for f in pending:
             f.add_done_callback(one_done)
 
     def flush(self, timeout: float = 30.0) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvray.config import KVRayConfig
+from kvray.connector.handoff import HANDOFF_WAIT_S, Handoff, HandoffPlanner, wants_handoff
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import (
     JobId,
@@ -69,6 +70,9 @@ class _RequestState:
     load_is_async: bool = False
     #: The grouping the last lookup found the hit in (the next load reads it).
     hit_grouping: int = 0
+    #: A prefill's handoff this (decode) request loads from (:mod:`.handoff`), once read.
+    handoff: Handoff | None = None
+    handoff_read: bool = False
 
 
 @dataclass
@@ -95,6 +99,7 @@ class KVRayConnectorScheduler:
         manager: CacheManager,
         *,
         world_size: int,
+        local_pool: str = "",
     ) -> None:
         self.config = config
         self.key_space = key_space
@@ -118,6 +123,7 @@ class KVRayConnectorScheduler:
         # Block hashes some store job is writing: other requests sharing the prefix skip them.
         self._storing: dict[bytes, JobId] = {}
         self.counters = TransferCounters()
+        self.handoffs = HandoffPlanner(key_space, manager.store.local_view(), local_pool)
         #: Scheduler-side figures (tests and stats): tokens offered as hits (of them, stored by
         #: engines of another TP size), lookups made.
         self.hit_tokens = 0
@@ -128,6 +134,11 @@ class KVRayConnectorScheduler:
     def _find_hit(self, block_hashes: list[bytes]) -> tuple[int, int]:
         """Longest prefix of blocks present in kvray with every head range this engine's ranks
         need (local view only), and the grouping it is stored in."""
+        n = self._usable(block_hashes)
+        return self.manager.find(block_hashes[:n]) if n else (0, self.key_space.num_shards)
+
+    def _usable(self, block_hashes: list[bytes]) -> int:
+        """Leading blocks none of which is quarantined."""
         n = len(block_hashes)
         if self._quarantine:
             now = time.monotonic()
@@ -138,7 +149,7 @@ class KVRayConnectorScheduler:
                         n = i
                         break
                     del self._quarantine[h]
-        return self.manager.find(block_hashes[:n]) if n else (0, self.key_space.num_shards)
+        return n
 
     def _quarantine_blocks(self, hashes: list[bytes]) -> None:
         until = time.monotonic() + FAILED_BLOCK_QUARANTINE_S
@@ -168,8 +179,17 @@ class KVRayConnectorScheduler:
         start = num_computed_tokens // bs
         if max_blocks <= start:
             return 0, False
+        hashes = list(request.block_hashes[:max_blocks])
+        if not state.handoff_read:  # a prefill's params: load from where they say, at once
+            state.handoff_read = True
+            state.handoff = self.handoffs.read(request.kv_transfer_params, request.block_hashes)
+        if state.handoff is not None:
+            hit_blocks = self._usable(hashes[: state.handoff.num_blocks])
+            if hit_blocks > start:
+                state.hit_grouping = state.handoff.grouping
+                return hit_blocks * bs - num_computed_tokens, True
         self.lookups += 1
-        hit_blocks, state.hit_grouping = self._find_hit(list(request.block_hashes[:max_blocks]))
+        hit_blocks, state.hit_grouping = self._find_hit(hashes)
         if hit_blocks <= start:
             return 0, False
         num_tokens = hit_blocks * bs - num_computed_tokens
@@ -189,7 +209,14 @@ class KVRayConnectorScheduler:
         first = state.num_local_tokens // bs
         last = (state.num_local_tokens + num_external_tokens) // bs
         hashes = [bytes(h) for h in request.block_hashes[first:last]]
-        plan = self.manager.prepare_load(hashes, state.hit_grouping)
+        handoff = state.handoff
+        if handoff is not None and last <= handoff.num_blocks:
+            plan = self.handoffs.locator.plan(handoff, first, last)
+            self.handoffs.offered_tokens += num_external_tokens
+        else:
+            handoff = None
+            plan = self.manager.prepare_load(hashes, state.hit_grouping)
+        is_async = self._load_async or handoff is not None
         self._new_pools.update(plan.pools)
         self._new_placements.update(plan.placements)
         job_id = next(self._job_ids)
@@ -198,8 +225,9 @@ class KVRayConnectorScheduler:
             block_ids=state.block_ids[first:last],
             block_hashes=hashes,
             locs=plan.locs,
-            is_async=self._load_async,
+            is_async=is_async,
             grouping=state.hit_grouping or self.key_space.num_shards,
+            wait_s=HANDOFF_WAIT_S if handoff is not None else 0.0,
         )
         self._jobs[job_id] = _Job(
             req_id=request.request_id,
@@ -210,7 +238,7 @@ class KVRayConnectorScheduler:
             pending=self.world_size,
         )
         state.load_job = job_id
-        state.load_is_async = self._load_async
+        state.load_is_async = is_async
         # Hits are not stored again; a failed load lowers this (update_connector_output).
         state.num_planned_blocks = max(state.num_planned_blocks, last)
         self.hit_tokens += num_external_tokens
@@ -356,7 +384,31 @@ class KVRayConnectorScheduler:
             request.num_computed_tokens // self.block_size,
             len(state.block_ids),
         )
-        return self._plan_store(state, full, finish=True), None
+        planned = self._plan_store(state, full, finish=True)
+        if (
+            not wants_handoff(request.kv_transfer_params)
+            or request.status == RequestStatus.FINISHED_ABORTED
+        ):
+            return planned, None
+        return self._hold_until_stored(request.request_id), self.handoffs.params(
+            [bytes(h) for h in request.block_hashes], full
+        )
+
+    def _hold_until_stored(self, req_id: ReqId) -> bool:
+        """A prefill for a remote decode keeps its blocks until every store of the request is
+        owned by a pool (not only gathered): its workers report it in ``finished_sending``
+        then. A final job with no blocks waits for the stores already in flight."""
+        mine = [s for s in self._new_stores.values() if s.req_id == req_id and s.finish]
+        for spec in mine:
+            spec.hold = True
+        if mine:
+            return True
+        if not any(j.is_store and j.req_id == req_id for j in self._jobs.values()):
+            return False
+        job_id = next(self._job_ids)
+        self._new_stores[job_id] = StoreSpec(req_id, [], [], finish=True, hold=True)
+        self._jobs[job_id] = _Job(req_id, True, 0, [], [], pending=self.world_size)
+        return True
 
     # ---------------------------------------------------------------- events
     def _emit_stored(self, job: _Job) -> None:

@@ -121,6 +121,7 @@ class TransferHandler(StorePath):
         self._failed_recving: set[ReqId] = set()
         self._load_errors: set[int] = set()
         self._puts: dict[JobId, list[Future[PutResult]]] = {}
+        self._put_reqs: dict[JobId, ReqId] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._layers: _Layers | None = None
 
@@ -193,7 +194,8 @@ class TransferHandler(StorePath):
                 self._finished_recving.add(job.spec.req_id)
 
     def _run_async(self, job: LoadJob) -> None:
-        ok = self._run(job, time.monotonic() + self.config.load_timeout_s)
+        wait = max(self.config.load_timeout_s, job.spec.wait_s)  # a handoff waits for puts
+        ok = self._run(job, time.monotonic() + wait)
         with self._lock:  # errors are published no later than the request's finished_recving
             if not ok:
                 self._failed_recving.add(job.spec.req_id)

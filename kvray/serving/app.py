@@ -127,11 +127,27 @@ def build_app(
     replica; deploy it with ``serve.run(app)``. Arguments: :func:`build_llm_config`, and
     ``ingress_options``: Serve options of the OpenAI ingress deployment (e.g. its CPUs).
 
+    ``pd="P:D"``: Ray Serve LLM's prefill/decode app instead, P prefill and D decode
+    replicas, kvray moving the KV between them (:func:`kvray.serving.pd.build_pd_app`).
+
     Needs Ray initialised (``ray.init`` / ``kvray.start``) so that kvray's connector backend
     is registered cluster-wide before the replicas start.
     """
     from ray.serve.llm import build_openai_app
 
+    pd = kwargs.pop("pd", None)
+    if pd is not None:  # prefill/decode disaggregation, kvray moving the KV
+        from kvray.serving.pd import build_pd_app, parse_pd
+
+        kwargs.pop("replicas", None)
+        p, d = parse_pd(pd)
+        return build_pd_app(
+            model,
+            prefill_replicas=p,
+            decode_replicas=d,
+            ingress_options=ingress_options,
+            **kwargs,
+        )
     if kwargs.get("kv_cache", "kvray") == "kvray":
         from kvray.serving.backend import register_backend
 

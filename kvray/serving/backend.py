@@ -37,6 +37,9 @@ __all__ = ["CONNECTOR_NAME", "KVRayConnectorBackend", "register_backend"]
 CONNECTOR_NAME = "KVRayConnector"
 #: Where vLLM imports the connector class from.
 CONNECTOR_MODULE = "kvray.connector"
+#: kvray's entry in a prefill's ``kv_transfer_params`` (``kvray.connector.handoff``'s
+#: ``HANDOFF_KEY``; not imported: that package imports vLLM).
+HANDOFF_KEY = "kvray"
 #: vLLM-CPU's count of cores kept away from the forward pass's OpenMP threads.
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
@@ -56,7 +59,36 @@ def cpu_reservation(engine_kwargs: dict[str, Any]) -> int:
 
 
 class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
-    """Per-replica setup of kvray's connector inside Ray Serve LLM."""
+    """Per-replica setup of kvray's connector inside Ray Serve LLM, and the shaping of P/D
+    requests: Ray's default protocol (no peer binding, sequential handoff: the decode needs
+    the pools the prefill's response names), with two rules of kvray's own. A client's own
+    ``kv_transfer_params`` never reach the prefill (they are replaced, not an assertion
+    error), and the decode gets the prefill's params only when they carry kvray's handoff:
+    anything else is dropped and the decode computes the prompt itself."""
+
+    def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
+        from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
+            base_prefill_kv_transfer_params,
+            clamp_request_to_single_token,
+        )
+
+        prefill = request.model_copy(deep=True)
+        prefill.kv_transfer_params = base_prefill_kv_transfer_params()
+        clamp_request_to_single_token(prefill)
+        return prefill
+
+    def prepare_decode_request(
+        self, *, request: Any, peer: dict[str, Any] | None, prefill_response: Any | None
+    ) -> Any:
+        decode = request.model_copy(deep=True)
+        params = getattr(prefill_response, "kv_transfer_params", None)
+        if isinstance(params, dict) and isinstance(params.get(HANDOFF_KEY), dict):
+            decode.kv_transfer_params = params
+        else:
+            decode.kv_transfer_params = None
+            if prefill_response is not None:
+                logger.warning("kvray P/D: the prefill returned no handoff; decode computes")
+        return decode
 
     def setup(self) -> None:
         import ray

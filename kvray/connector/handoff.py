@@ -1,0 +1,265 @@
+"""Prefill/decode handoff through kvray, without the feed.
+
+A prefill engine gets a request whose ``kv_transfer_params`` ask for a remote decode
+(``do_remote_decode``, Ray Serve LLM's P/D protocol). When it finishes, the connector's
+``request_finished`` returns :func:`handoff_params`: how many leading prompt blocks the decode
+may load, the chained hash of the last one (it names them all: vLLM's block hashes chain), the
+fingerprint of the key prefix (model, dtype, block size, layout...) and where each block is:
+the pools holding every shard, from the prefill's view for blocks kvray already held and the
+prefill's own node pool for the blocks its workers are storing now.
+
+The decode engine's ``get_num_new_matched_tokens`` reads the params (:func:`read_handoff`) and
+offers those blocks at once, loaded asynchronously from the named pools: it never consults its
+view of the index, so a feed that lags (or is paused) does not delay it. Blocks still being put
+by the prefill are waited for, bounded by :data:`HANDOFF_WAIT_S`; a block missing past that
+(evicted, pool lost, prefill killed before its put) is reported failed and recomputed by vLLM.
+
+Params a decode cannot read (another model or layout, another block size, garbage, a hash
+chain that is not this request's prompt) are ignored with a warning: the request is computed
+in full. The keys loaded are always derived from the decode request's own block hashes and
+its own key prefix, so params can make a load miss but never load another prompt's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvray.connector.keys import EngineKeySpace
+from kvray.connector.manager import LoadPlan
+from kvray.meta.holders import MAX_POOLS, PLACEMENT_BASE, decode_slots, split_positions
+from kvray.meta.view import LocalView
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HANDOFF_KEY",
+    "HANDOFF_WAIT_S",
+    "Handoff",
+    "HandoffError",
+    "HandoffPlanner",
+    "Locator",
+    "fingerprint",
+    "handoff_params",
+    "read_handoff",
+    "wants_handoff",
+]
+
+#: The key of kvray's entry in ``kv_transfer_params``.
+HANDOFF_KEY = "kvray"
+VERSION = 1
+#: How long a decode waits for blocks the prefill is still putting (then: recompute them).
+HANDOFF_WAIT_S = 2.0
+#: Most blocks one handoff names (a longer prompt hands off its first blocks only).
+MAX_HANDOFF_BLOCKS = 1 << 16
+#: Most pools one handoff names.
+MAX_HANDOFF_POOLS = 256
+
+
+class HandoffError(ValueError):
+    """``kv_transfer_params`` this decode engine cannot use (the request is recomputed)."""
+
+
+def fingerprint(key_space: EngineKeySpace, grouping: int = 0) -> str:
+    """What must match between prefill and decode: the key prefix of ``grouping`` shards."""
+    return hashlib.sha256(key_space.prefix_for(grouping)).hexdigest()[:32]
+
+
+def wants_handoff(params: object) -> bool:
+    """True for a prefill request of Ray's P/D protocol (``do_remote_decode``)."""
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What a decode engine read from a prefill's params."""
+
+    num_blocks: int
+    grouping: int
+    pools: list[str]
+    #: Per run of blocks: (count, pool index of each shard).
+    runs: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+
+    def shard_pools(self, block: int) -> tuple[int, ...]:
+        for count, where in self.runs:
+            if block < count:
+                return where
+            block -= count
+        raise IndexError(block)
+
+
+def handoff_params(
+    key_space: EngineKeySpace,
+    view: LocalView,
+    local_pool: str,
+    block_hashes: Sequence[bytes],
+    num_blocks: int,
+) -> dict[str, Any]:
+    """The prefill's ``kv_transfer_params`` naming its first ``num_blocks`` prompt blocks."""
+    n = min(num_blocks, len(block_hashes), MAX_HANDOFF_BLOCKS)
+    out: dict[str, Any] = {"do_remote_decode": False, "do_remote_prefill": False}
+    if n <= 0:
+        return out
+    g = key_space.num_shards
+    ids = key_space.block_ids(block_hashes[:n])
+    locs = view.locs(ids)
+    split = split_positions(locs)
+    slots_by_shard = [
+        decode_slots(locs, s, view.placements_of(ids[split], locs[split])).tolist()
+        for s in range(g)
+    ]
+    names = view.pool_names()
+    pools: list[str] = []
+    runs: list[list[Any]] = []
+    for b in range(n):
+        where = []
+        for s in range(g):
+            # Not in the view (yet): this engine's workers are storing it in their node's pool.
+            name = names.get(slots_by_shard[s][b], local_pool)
+            if name not in pools:
+                pools.append(name)
+            where.append(pools.index(name))
+        if runs and runs[-1][1] == where:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, where])
+    out[HANDOFF_KEY] = {
+        "v": VERSION,
+        "fp": fingerprint(key_space),
+        "g": g,
+        "n": n,
+        "last": bytes(block_hashes[n - 1]).hex(),
+        "pools": pools,
+        "runs": runs,
+    }
+    return out
+
+
+def read_handoff(
+    params: object, key_space: EngineKeySpace, block_hashes: Sequence[bytes]
+) -> Handoff | None:
+    """The handoff in a decode request's params (None: there is none); :class:`HandoffError`
+    when there is one this engine cannot use."""
+    if not isinstance(params, dict) or HANDOFF_KEY not in params:
+        return None
+    h = params[HANDOFF_KEY]
+    if not isinstance(h, dict):
+        raise HandoffError(f"{HANDOFF_KEY!r} is a {type(h).__name__}, not a mapping")
+    if h.get("v") != VERSION:
+        raise HandoffError(f"handoff version {h.get('v')!r}, this engine reads {VERSION}")
+    g, n = h.get("g"), h.get("n")
+    if not isinstance(g, int) or g not in key_space.groupings:
+        raise HandoffError(f"grouping {g!r} is not readable here ({key_space.groupings})")
+    if h.get("fp") != fingerprint(key_space, g):
+        raise HandoffError("fingerprint differs: another model, dtype, block size or layout")
+    if not isinstance(n, int) or not 0 < n <= MAX_HANDOFF_BLOCKS:
+        raise HandoffError(f"block count {n!r}")
+    if n > len(block_hashes) or h.get("last") != bytes(block_hashes[n - 1]).hex():
+        raise HandoffError("the named blocks are not this request's prompt")
+    pools = h.get("pools")
+    if (
+        not isinstance(pools, list)
+        or not 0 < len(pools) <= MAX_HANDOFF_POOLS
+        or not all(isinstance(p, str) and p for p in pools)
+    ):
+        raise HandoffError("pools: expected a list of pool names")
+    runs: list[tuple[int, tuple[int, ...]]] = []
+    total = 0
+    for run in h.get("runs") or []:
+        ok = isinstance(run, list) and len(run) == 2 and isinstance(run[0], int) and run[0] > 0
+        where = run[1] if ok else None
+        if not (
+            isinstance(where, list)
+            and len(where) == g
+            and all(isinstance(i, int) and 0 <= i < len(pools) for i in where)
+        ):
+            raise HandoffError(f"run {run!r}")
+        runs.append((run[0], tuple(where)))
+        total += run[0]
+    if total != n:
+        raise HandoffError(f"runs cover {total} blocks, not {n}")
+    return Handoff(n, g, list(pools), runs)
+
+
+class Locator:
+    """Turns a handoff's pool names into the location codes and pool slots of a load plan.
+
+    Pools the decode's view knows keep their slot; others get slots counted down from the top
+    (and placements codes from the top), stable for the process, so that plans of several
+    loads in one step agree."""
+
+    def __init__(self, view: LocalView) -> None:
+        self.view = view
+        self._extra_slots: dict[str, int] = {}
+        self._extra_placements: dict[tuple[int, ...], int] = {}
+
+    def slot(self, name: str) -> int:
+        for slot, known in self.view.pool_names().items():
+            if known == name:
+                return slot
+        slot = self._extra_slots.get(name)
+        if slot is None:
+            if len(self._extra_slots) >= MAX_HANDOFF_POOLS:
+                self._extra_slots.clear()  # bounded; only this step's plans must agree
+            slot = self._extra_slots[name] = MAX_POOLS - 1 - len(self._extra_slots)
+        return slot
+
+    def plan(self, handoff: Handoff, first: int, last: int) -> LoadPlan:
+        """Where blocks [first, last) of the handoff are, as a :class:`LoadPlan`."""
+        plan = LoadPlan([])
+        slots = [self.slot(p) for p in handoff.pools]
+        for b in range(first, last):
+            where = tuple(slots[i] for i in handoff.shard_pools(b))
+            for s in set(where):
+                plan.pools[s] = handoff.pools[slots.index(s)]
+            if len(set(where)) == 1:
+                plan.locs.append(where[0] + 1)
+                continue
+            code = self._extra_placements.get(where)
+            if code is None:
+                if len(self._extra_placements) >= MAX_HANDOFF_POOLS:
+                    self._extra_placements.clear()
+                code = 65535 - len(self._extra_placements)
+                self._extra_placements[where] = code
+            assert code >= PLACEMENT_BASE
+            plan.locs.append(code)
+            plan.placements[code] = where
+        return plan
+
+
+class HandoffPlanner:
+    """The scheduler side's handoffs: params out of a prefill, load plans into a decode."""
+
+    def __init__(self, key_space: EngineKeySpace, view: LocalView, local_pool: str) -> None:
+        self.key_space = key_space
+        self.view = view
+        self.local_pool = local_pool
+        self.locator = Locator(view)
+        #: Figures (tests, stats): params returned by prefills; handoffs read by decodes;
+        #: tokens offered from them; params ignored as unreadable.
+        self.sent = 0
+        self.received = 0
+        self.offered_tokens = 0
+        self.rejected = 0
+
+    def read(self, params: object, block_hashes: Sequence[bytes]) -> Handoff | None:
+        try:
+            handoff = read_handoff(params, self.key_space, block_hashes)
+        except HandoffError as e:
+            self.rejected += 1
+            logger.warning("kvray: ignoring the handoff of a request (recomputed instead): %s", e)
+            return None
+        except Exception as e:  # garbage of any shape is the same: recompute
+            self.rejected += 1
+            logger.warning("kvray: unreadable handoff params (%s: %s)", type(e).__name__, e)
+            return None
+        if handoff is not None:
+            self.received += 1
+        return handoff
+
+    def params(self, block_hashes: Sequence[bytes], num_blocks: int) -> dict[str, Any]:
+        self.sent += 1
+        return handoff_params(self.key_space, self.view, self.local_pool, block_hashes, num_blocks)
