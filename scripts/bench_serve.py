@@ -29,12 +29,14 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -104,7 +106,7 @@ def _vllm_load(port: int, tokenizer: str, seed: int, a: argparse.Namespace, out:
         "--prefix-repetition-num-prefixes", str(max(1, a.sessions // 2)),
         "--prefix-repetition-output-len", str(a.osl), "--ignore-eos",
         "--max-concurrency", str(a.concurrency), "--seed", str(seed),
-        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
+        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,90,99",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
 
@@ -122,13 +124,37 @@ def _load(cmd: list[str], out: Path) -> dict[str, Any]:
     return {"result": json.loads(out.read_text()), "pid": proc.pid}
 
 
+_SOURCES = re.compile(
+    r'^ray_vllm[:_]prompt_tokens_by_source(?:_total)?\{[^}]*source="(\w+)"[^}]*\}\s+(\S+)'
+)
+
+
+def prompt_token_sources(urls: list[str]) -> Counter[str]:
+    """vLLM's ``prompt_tokens_by_source`` summed over every replica (Ray Serve LLM exports
+    engine metrics at each node's Ray metrics endpoint): ``local_compute`` (prefilled),
+    ``local_cache_hit`` (vLLM's own prefix cache), ``external_kv_transfer`` (kvray)."""
+    counts: Counter[str] = Counter()
+    for url in urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = _SOURCES.match(line)
+            if m is not None:
+                counts[m.group(1)] += int(float(m.group(2)))
+    return counts
+
+
 def _figures(kind: str, res: dict[str, Any]) -> dict[str, Any]:
     """The load generator's own figures, under one set of names."""
     if kind == "vllm":
         return {
             "requests": res["completed"],
             "ttft_p50": res["median_ttft_ms"],
+            "ttft_p90": res.get("p90_ttft_ms", float("nan")),
             "ttft_p99": res["p99_ttft_ms"],
+            "req_s": res["request_throughput"],
             "itl_mean": res["mean_itl_ms"],
             "itl_p99": res["p99_itl_ms"],
             "tok_s": res["output_throughput"],
@@ -138,7 +164,9 @@ def _figures(kind: str, res: dict[str, Any]) -> dict[str, Any]:
     return {
         "requests": res["benchmark"]["total_requests"],
         "ttft_p50": stats["p50_ttft_ms"],
+        "ttft_p90": stats["p90_ttft_ms"],
         "ttft_p99": stats["p99_ttft_ms"],
+        "req_s": stats["request_rate"],
         "itl_mean": stats["avg_itl_ms"],
         "itl_p99": stats["p99_itl_ms"],
         "tok_s": stats["throughput_tok_s"],
@@ -171,14 +199,21 @@ def _run_one(
         else _ray_load(port, tokenizer, seed, a.hit_rate if hit is None else hit, a, out)
     )
     gcs0 = gcs_rpc_snapshot(urls)
+    src0 = prompt_token_sources(urls)
     cpu0 = cpu_by_process()
     t0 = time.perf_counter()
     loaded = _load(cmd, out)
     wall = time.perf_counter() - t0
     cpu1 = cpu_by_process(exclude={loaded["pid"]})
     gcs1 = gcs_rpc_snapshot(urls)
+    src = prompt_token_sources(urls) - src0
     row = _figures(kind, loaded["result"])
     n = row["requests"]
+    total = sum(src.values())
+    if total:  # vLLM's own count of where each prompt token came from, over all replicas
+        row["computed_per_req"] = src["local_compute"] / n
+        row["engine_hit"] = src["local_cache_hit"] / total
+        row["kvray_tokens_per_req"] = src["external_kv_transfer"] / n
     cpu = cpu_delta(cpu0, cpu1)
     rpcs = gcs1 - gcs0
     return {
@@ -213,13 +248,16 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
         f"{a.repeats}"
     )
     print(
-        f"{'config':<13} {'workload':<10} {'TTFT p50':>9} {'p99':>7} {'ITL mean':>9} {'p99':>6} "
-        f"{'tok/s':>6} {'CPU s/req':>9} {'GCS s/req':>9} {'GCS rpc/req':>11}"
+        f"{'config':<13} {'workload':<10} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL mean':>9} "
+        f"{'p99':>6} {'req/s':>5} {'tok/s':>6} {'CPU s/req':>9} {'GCS s/req':>9} "
+        f"{'GCS rpc/req':>11}"
     )
     for (cfg, wl), rows in results.items():
         print(
-            f"{cfg:<13} {wl:<10} {_med(rows, 'ttft_p50'):>7.0f}ms {_med(rows, 'ttft_p99'):>5.0f}"
+            f"{cfg:<13} {wl:<10} {_med(rows, 'ttft_p50'):>7.0f}ms {_med(rows, 'ttft_p90'):>5.0f}"
+            f"ms {_med(rows, 'ttft_p99'):>5.0f}"
             f"ms {_med(rows, 'itl_mean'):>7.1f}ms {_med(rows, 'itl_p99'):>4.0f}ms "
+            f"{_med(rows, 'req_s'):>5.2f} "
             f"{_med(rows, 'tok_s'):>6.1f} {_med(rows, 'cpu_total'):>9.3f} "
             f"{statistics.median(r['cpu'].get('gcs', 0.0) for r in rows):>9.4f} "
             f"{statistics.median(sum(r['gcs_rpcs'].values()) for r in rows):>11.1f}"
@@ -231,6 +269,17 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
         vals = [statistics.median(r["cpu"].get(role, 0.0) for r in rows)
                 for rows in results.values()]  # fmt: skip
         print(f"{role:<18}" + "".join(f"{v:>24.4f}" for v in vals))
+    print("\nPrompt tokens by source (vLLM's prompt_tokens_by_source, medians)")
+    print(f"{'config':<13} {'workload':<10} {'computed/req':>12} {'engine hit':>10} "
+          f"{'kvray tok/req':>13}")  # fmt: skip
+    for (cfg, wl), rows in results.items():
+        if rows and all("computed_per_req" in r for r in rows):
+            print(
+                f"{cfg:<13} {wl:<10} {_med(rows, 'computed_per_req'):>12.0f} "
+                f"{_med(rows, 'engine_hit'):>10.1%} {_med(rows, 'kvray_tokens_per_req'):>13.0f}"
+            )
+        else:
+            print(f"{cfg:<13} {wl:<10} {'n/a (vLLM metrics not exported)':>37}")
     puts = {k: rows for k, rows in results.items() if rows and "puts_per_req" in rows[0]}
     if puts:
         print("\nkvray puts per request and KiB stored per put (medians)")
@@ -410,6 +459,21 @@ def main() -> None:
             f"kvray_cpu_s_per_request_over_off="
             f"{_med(on, 'cpu_total') / _med(off, 'cpu_total'):.3f} "
             f"gcs_cpu_s_per_request={gcs:.4f}"
+        )
+    if {"off", "kvray-prefix", "kvray"} <= set(configs) and "multi-turn" in workloads:
+        mine = results[("kvray", "multi-turn")]
+        alone = results[("off", "multi-turn")]
+        theirs = results[("kvray-prefix", "multi-turn")]
+        computed = (
+            f"{_med(mine, 'computed_per_req') / _med(alone, 'computed_per_req'):.3f}"
+            if all("computed_per_req" in r for r in mine + alone)
+            else "n/a"
+        )
+        print(
+            "ratio kvray_router_ttft_p50_over_alone_prefix="
+            f"{_med(mine, 'ttft_p50') / _med(alone, 'ttft_p50'):.3f} "
+            f"over_kvray_prefix={_med(mine, 'ttft_p50') / _med(theirs, 'ttft_p50'):.3f} "
+            f"computed_tokens_over_alone={computed}"
         )
 
 

@@ -372,6 +372,7 @@ class InProcessEngine:
                 p["cache_salt"] = salt
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         outs = self.llm.generate(ps, sp, use_tqdm=False)
+        finish_delayed_frees(self.llm)
         self.worker.flush()
         self.scheduler.store.sync()
         return {

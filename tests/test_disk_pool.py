@@ -424,6 +424,7 @@ def test_vllm_loads_a_prefix_from_disk_after_a_warm_restart(
     full_hit = (len(prompts[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
     try:
         recomputed = generate(llm, prompts)
+        finish_delayed_frees(llm)
         worker_connector_of(llm).worker.flush()
         sched_store = connector_of(llm).store
         sched_store.sync()

@@ -466,8 +466,9 @@ class _LeasingEngine:
         return {"tokens": token_ids(outs), "cached": cached_tokens(outs)}
 
     def flush(self) -> None:
-        from vllm_helpers import worker_connector_of
+        from vllm_helpers import finish_delayed_frees, worker_connector_of
 
+        finish_delayed_frees(self.llm)
         worker_connector_of(self.llm).worker.flush()
 
     def hold(self, on: bool) -> None:
@@ -529,6 +530,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     try:
         pool = _my_pool(ns)
         recomputed = generate(llm, prompts)
+        finish_delayed_frees(llm)
         worker_connector_of(llm).worker.flush()
         other = _LeasingEngine.remote(model, ns, extra)
         first = ray.get(other.generate.remote(theirs), timeout=300)

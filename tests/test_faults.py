@@ -640,6 +640,7 @@ def _cold(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[
 
 
 def _settle(llm: Any) -> None:
+    finish_delayed_frees(llm)
     _worker(llm).flush()
     _sched(llm).store.sync()
 

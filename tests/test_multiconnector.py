@@ -257,6 +257,7 @@ class MultiEngine:
 
     def settle(self) -> None:
         """kvray's saves stored and visible to the scheduler."""
+        finish_delayed_frees(self.llm)
         self.kv_worker.flush()
         self.kv.store.sync()
 

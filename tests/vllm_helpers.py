@@ -365,6 +365,7 @@ def engine_actor(**options: Any) -> Any:
 
         def flush(self) -> dict[str, Any]:
             """Wait until this engine's saves are in kvray and visible; its counters."""
+            finish_delayed_frees(self.llm)
             conn = worker_connector_of(self.llm)
             conn.worker.flush()
             sched = connector_of(self.llm)
