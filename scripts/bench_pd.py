@@ -111,7 +111,7 @@ def _kvray_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
     loaded = d.get("kvray_bytes_loaded_total", 0.0)
     return {
         "handoffs": handoffs,
-        "handoff_ms_p50": 1000 * _bucket_p50(d, "kvray_handoff_latency_s"),
+        "handoff_ms_p50": 1000 * _bucket_p50(d, "kvray_handoff_latency_s_bucket"),
         "handoff_ms_mean": 1000 * d.get("kvray_handoff_latency_s_sum", 0.0) / n_lat
         if n_lat
         else float("nan"),
