@@ -459,7 +459,8 @@ def test_scheduler_and_manager_containers_stay_bounded(
     from kvray.connector import manager as manager_mod
     from kvray.connector.keys import EngineKeySpace
     from kvray.connector.manager import MAX_PENDING, KVRayCacheManager
-    from kvray.connector.scheduler import MAX_QUARANTINE, KVRayConnectorScheduler
+    from kvray.connector.quarantine import MAX_QUARANTINE
+    from kvray.connector.scheduler import KVRayConnectorScheduler
     from kvray.keys import LayoutFingerprint
 
     fp = LayoutFingerprint("faults", "f32", 32, "sha256", "test")
@@ -470,9 +471,9 @@ def test_scheduler_and_manager_containers_stay_bounded(
     try:
         hashes = [os.urandom(32) for _ in range(MAX_QUARANTINE + 5000)]
         for a in range(0, len(hashes), 1000):
-            sched._quarantine_blocks(hashes[a : a + 1000])
-            assert len(sched._quarantine) <= MAX_QUARANTINE
-        assert set(sched._quarantine) == set(hashes[-MAX_QUARANTINE:])
+            sched.quarantine.add(hashes[a : a + 1000])
+            assert len(sched.quarantine) <= MAX_QUARANTINE
+        assert set(sched.quarantine) == set(hashes[-MAX_QUARANTINE:])
         # Stored in kvray, but quarantined: not offered as a hit.
         stored = hashes[-4:]
         store.put(ks.block_keys(stored), np.ones((4, 256), np.uint8)).result(timeout=30)

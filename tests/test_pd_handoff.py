@@ -71,13 +71,18 @@ def _prefill(llm: Any, prompt: list[int]) -> dict[str, Any]:
     return dict(out.kv_transfer_params)
 
 
-def _decode(llm: Any, prompt: list[int], params: dict[str, Any]) -> Any:
-    """The decode, on an engine whose own prefix cache holds nothing of the prompt."""
+def _reset(llm: Any) -> None:
+    """Empty the engine's own prefix cache (the prefill's blocks are held until stored)."""
     deadline = time.monotonic() + 60
-    while not llm.reset_prefix_cache():  # the prefill's blocks are held until stored
+    while not llm.reset_prefix_cache():
         assert time.monotonic() < deadline, "the prefill's blocks were never freed"
         time.sleep(0.05)
         _run(llm, [5, 6, 7], 1, None)  # engine steps report the stores
+
+
+def _decode(llm: Any, prompt: list[int], params: dict[str, Any]) -> Any:
+    """The decode, on an engine whose own prefix cache holds nothing of the prompt."""
+    _reset(llm)
     return _run(llm, prompt, MAX_TOKENS, params)
 
 
@@ -98,6 +103,8 @@ def test_decode_loads_the_handoff_with_the_feed_paused(engines: Any) -> None:
     sched = connector_of(llm).scheduler
     prompt = PROMPTS[0]
     before = (sched.handoffs.offered_tokens, sched.counters.loaded_blocks)
+    begun, computed = sched.handoffs.begun, sched.handoffs.computed_tokens
+    timed = len(sched.handoffs.latencies_s)
     with _feed_paused(llm):
         params = _prefill(llm, prompt)
         h = params["kvray"]
@@ -111,6 +118,36 @@ def test_decode_loads_the_handoff_with_the_feed_paused(engines: Any) -> None:
     assert len(prompt) - out.num_cached_tokens <= BLOCK_SIZE
     assert sched.handoffs.offered_tokens - before[0] == _full_hit(prompt)
     assert sched.counters.loaded_blocks - before[1] == _full_hit(prompt) // BLOCK_SIZE
+    # The handoff's figures: one begun, the prompt's last partial block computed, one latency.
+    assert sched.handoffs.begun - begun == 1
+    assert sched.handoffs.computed_tokens - computed == len(prompt) - _full_hit(prompt)
+    assert len(sched.handoffs.latencies_s) == timed + 1
+
+
+def test_a_later_request_with_the_prefix_hits_kvray_on_either_side(engines: Any) -> None:
+    """The handed-off blocks stay in kvray: once the engine's own cache is emptied, a later
+    prefill (``do_remote_decode``) and a later plain (decode-side) request of the same prompt
+    each load its full blocks from kvray through the view, hits counted by the scheduler and
+    the workers, and the tokens are the reference's."""
+    llm, reference = engines
+    sched = connector_of(llm).scheduler
+    prompt = PROMPTS[0]
+    hashes = [bytes(b) for b in _hashes(prompt)]
+    full = _full_hit(prompt)
+    _prefill(llm, prompt)
+    _reset(llm)
+    deadline = time.monotonic() + 30
+    while sched.manager.lookup(hashes) * BLOCK_SIZE < full:  # the view catches up
+        assert time.monotonic() < deadline, "the handed-off blocks never reached the view"
+        time.sleep(0.05)
+    for params in ({"do_remote_decode": True}, None):  # the prefill side, then the decode side
+        hits, loaded, lookups = sched.hit_tokens, sched.counters.loaded_blocks, sched.lookups
+        out = _run(llm, prompt, 1 if params else MAX_TOKENS, params)
+        assert out.num_cached_tokens == full
+        assert sched.hit_tokens - hits == full and sched.lookups > lookups
+        _reset(llm)  # engine steps report the workers' loads
+        assert sched.counters.loaded_blocks - loaded == full // BLOCK_SIZE
+    assert list(out.outputs[0].token_ids) == reference[0]
 
 
 def _hashes(prompt: list[int]) -> list[bytes]:

@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.manager import LoadPlan
+from kvray.connector.metadata import JobId, ReqId, StoreSpec
 from kvray.meta.holders import MAX_POOLS, PLACEMENT_BASE, decode_slots, split_positions
 from kvray.meta.view import LocalView
+from kvray.metrics.tally import HandoffMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ __all__ = [
     "Locator",
     "fingerprint",
     "handoff_params",
+    "hold_until_stored",
     "read_handoff",
     "wants_handoff",
 ]
@@ -82,6 +87,8 @@ class Handoff:
     pools: list[str]
     #: Per run of blocks: (count, pool index of each shard).
     runs: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    #: When the prefill finished (its ``time.time()``; None: not said).
+    sent_at: float | None = None
 
     def shard_pools(self, block: int) -> tuple[int, ...]:
         for count, where in self.runs:
@@ -134,6 +141,7 @@ def handoff_params(
         "last": bytes(block_hashes[n - 1]).hex(),
         "pools": pools,
         "runs": runs,
+        "t": time.time(),
     }
     return out
 
@@ -181,7 +189,31 @@ def read_handoff(
         total += run[0]
     if total != n:
         raise HandoffError(f"runs cover {total} blocks, not {n}")
-    return Handoff(n, g, list(pools), runs)
+    t = h.get("t")
+    sent_at = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+    return Handoff(n, g, list(pools), runs, sent_at)
+
+
+def hold_until_stored(
+    req_id: ReqId,
+    new_stores: Mapping[JobId, StoreSpec],
+    stores_in_flight: bool,
+    add_store: Callable[[StoreSpec], None],
+) -> bool:
+    """A prefill for a remote decode keeps its blocks until every store of the request is
+    owned by a pool (not only gathered): its workers report it in ``finished_sending`` then.
+    The request's final stores planned this step (``new_stores``) are marked ``hold``; with
+    none, a final job with no blocks (``add_store``) waits for the stores already in flight.
+    False: nothing to wait for (the blocks are freed at once)."""
+    mine = [s for s in new_stores.values() if s.req_id == req_id and s.finish]
+    for spec in mine:
+        spec.hold = True
+    if mine:
+        return True
+    if not stores_in_flight:
+        return False
+    add_store(StoreSpec(req_id, [], [], finish=True, hold=True))
+    return True
 
 
 class Locator:
@@ -233,8 +265,14 @@ class Locator:
 class HandoffPlanner:
     """The scheduler side's handoffs: params out of a prefill, load plans into a decode."""
 
-    def __init__(self, key_space: EngineKeySpace, view: LocalView, local_pool: str) -> None:
+    #: Handoff latencies kept for tests and stats (the newest).
+    MAX_LATENCIES = 1024
+
+    def __init__(
+        self, key_space: EngineKeySpace, view: LocalView, local_pool: str, namespace: str = ""
+    ) -> None:
         self.key_space = key_space
+        self.namespace = namespace
         self.view = view
         self.local_pool = local_pool
         self.locator = Locator(view)
@@ -244,6 +282,12 @@ class HandoffPlanner:
         self.received = 0
         self.offered_tokens = 0
         self.rejected = 0
+        #: Handed-off requests the decode began computing; prompt tokens it computed for them
+        #: (the rest loaded or in its own cache); prefill finished -> that first step done (s).
+        self.begun = 0
+        self.computed_tokens = 0
+        self.latencies_s: deque[float] = deque(maxlen=self.MAX_LATENCIES)
+        self._stepping: list[float] = []
 
     def read(self, params: object, block_hashes: Sequence[bytes]) -> Handoff | None:
         try:
@@ -263,3 +307,27 @@ class HandoffPlanner:
     def params(self, block_hashes: Sequence[bytes], num_blocks: int) -> dict[str, Any]:
         self.sent += 1
         return handoff_params(self.key_space, self.view, self.local_pool, block_hashes, num_blocks)
+
+    def began(self, handoff: Handoff, computed_tokens: int) -> None:
+        """The decode engine schedules its first step over a handed-off request (its load is
+        done): it computes ``computed_tokens`` of the prompt itself."""
+        self.begun += 1
+        self.computed_tokens += computed_tokens
+        if self.namespace:
+            HandoffMetrics.get(self.namespace).began(computed_tokens)
+        if handoff.sent_at is not None:
+            self._stepping.append(handoff.sent_at)
+
+    def stepped(self) -> None:
+        """The engine schedules its next step: the last one, which sampled the first token of
+        the requests :meth:`began` then, is done (vLLM's engine loop takes its output first).
+        Prefill and decode clocks are compared: on separate machines, their skew adds in."""
+        if not self._stepping:
+            return
+        now = time.time()
+        for sent in self._stepping:
+            seconds = max(0.0, now - sent)
+            self.latencies_s.append(seconds)
+            if self.namespace:
+                HandoffMetrics.get(self.namespace).observe(seconds)
+        self._stepping.clear()

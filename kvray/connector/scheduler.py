@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvray.config import KVRayConfig
-from kvray.connector.handoff import HANDOFF_WAIT_S, Handoff, HandoffPlanner, wants_handoff
+from kvray.connector.handoff import (
+    HANDOFF_WAIT_S,
+    Handoff,
+    HandoffPlanner,
+    hold_until_stored,
+    wants_handoff,
+)
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.metadata import (
     JobId,
@@ -39,6 +44,7 @@ from kvray.connector.metadata import (
     StoreSpec,
     TransferCounters,
 )
+from kvray.connector.quarantine import Quarantine
 from kvray.connector.sides import CacheManager, ViewStore
 
 if TYPE_CHECKING:
@@ -49,12 +55,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-#: A block that failed to load is not offered as a hit again for this long, so a block the
-#: index still lists but no pool can serve cannot make a request retry its load forever.
-FAILED_BLOCK_QUARANTINE_S = 30.0
-#: Most block hashes kept in quarantine (the oldest go first beyond it).
-MAX_QUARANTINE = 1 << 16
 
 
 @dataclass
@@ -73,6 +73,7 @@ class _RequestState:
     #: A prefill's handoff this (decode) request loads from (:mod:`.handoff`), once read.
     handoff: Handoff | None = None
     handoff_read: bool = False
+    handoff_begun: bool = False
 
 
 @dataclass
@@ -118,12 +119,14 @@ class KVRayConnectorScheduler:
         self._new_stores: dict[JobId, StoreSpec] = {}
         self._new_pools: dict[int, str] = {}
         self._new_placements: dict[int, tuple[int, ...]] = {}
-        # Block hash -> time until which it is not offered as a hit (it failed to load).
-        self._quarantine: dict[bytes, float] = {}
+        #: Blocks that failed to load, not offered as hits for a while.
+        self.quarantine = Quarantine()
         # Block hashes some store job is writing: other requests sharing the prefix skip them.
         self._storing: dict[bytes, JobId] = {}
         self.counters = TransferCounters()
-        self.handoffs = HandoffPlanner(key_space, manager.store.local_view(), local_pool)
+        self.handoffs = HandoffPlanner(
+            key_space, manager.store.local_view(), local_pool, config.namespace
+        )
         #: Scheduler-side figures (tests and stats): tokens offered as hits (of them, stored by
         #: engines of another TP size), lookups made.
         self.hit_tokens = 0
@@ -134,33 +137,8 @@ class KVRayConnectorScheduler:
     def _find_hit(self, block_hashes: list[bytes]) -> tuple[int, int]:
         """Longest prefix of blocks present in kvray with every head range this engine's ranks
         need (local view only), and the grouping it is stored in."""
-        n = self._usable(block_hashes)
+        n = self.quarantine.usable(block_hashes)
         return self.manager.find(block_hashes[:n]) if n else (0, self.key_space.num_shards)
-
-    def _usable(self, block_hashes: list[bytes]) -> int:
-        """Leading blocks none of which is quarantined."""
-        n = len(block_hashes)
-        if self._quarantine:
-            now = time.monotonic()
-            for i, h in enumerate(block_hashes):
-                until = self._quarantine.get(h)
-                if until is not None:
-                    if until > now:
-                        n = i
-                        break
-                    del self._quarantine[h]
-        return n
-
-    def _quarantine_blocks(self, hashes: list[bytes]) -> None:
-        until = time.monotonic() + FAILED_BLOCK_QUARANTINE_S
-        q = self._quarantine
-        if len(q) + len(hashes) > MAX_QUARANTINE:  # drop expired entries, then the oldest
-            now = time.monotonic()
-            for h in [h for h, t in q.items() if t <= now]:
-                del q[h]
-            while q and len(q) + len(hashes) > MAX_QUARANTINE:
-                del q[next(iter(q))]
-        q.update(dict.fromkeys(hashes, until))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -184,7 +162,7 @@ class KVRayConnectorScheduler:
             state.handoff_read = True
             state.handoff = self.handoffs.read(request.kv_transfer_params, request.block_hashes)
         if state.handoff is not None:
-            hit_blocks = self._usable(hashes[: state.handoff.num_blocks])
+            hit_blocks = self.quarantine.usable(hashes[: state.handoff.num_blocks])
             if hit_blocks > start:
                 state.hit_grouping = state.handoff.grouping
                 return hit_blocks * bs - num_computed_tokens, True
@@ -276,6 +254,7 @@ class KVRayConnectorScheduler:
         contiguous = idx == list(range(idx[0], idx[-1] + 1))
         for h in hashes:
             self._storing[h] = job_id
+        tokens = req.all_token_ids[idx[0] * bs : (idx[-1] + 1) * bs] if contiguous else []
         self._jobs[job_id] = _Job(
             req_id=req.request_id,
             is_store=True,
@@ -283,9 +262,7 @@ class KVRayConnectorScheduler:
             block_ids=block_ids,
             block_hashes=hashes,
             pending=self.world_size,
-            token_ids=list(req.all_token_ids[idx[0] * bs : (idx[-1] + 1) * bs])
-            if contiguous
-            else [],
+            token_ids=list(tokens),
             parent_hash=bytes(req.block_hashes[idx[0] - 1]) if idx[0] > 0 else None,
         )
         return job_id
@@ -293,6 +270,7 @@ class KVRayConnectorScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayConnectorMetadata:
         """This step's loads (planned at allocation) and stores (blocks this step fills)."""
         block_state = scheduler_output.kv_connector_block_state
+        self.handoffs.stepped()
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
             if state is None:
@@ -302,6 +280,9 @@ class KVRayConnectorScheduler:
                 if ids is not None:
                     state.block_ids = list(ids[0])
             req = state.request
+            if state.handoff is not None and state.load_job is None and not state.handoff_begun:
+                state.handoff_begun = True
+                self.handoffs.began(state.handoff, req.num_prompt_tokens - req.num_computed_tokens)
             # num_computed_tokens is advanced after this call: add this step's tokens.
             computed = req.num_computed_tokens + num_new
             full = min(len(req.block_hashes), computed // self.block_size, len(state.block_ids))
@@ -346,7 +327,7 @@ class KVRayConnectorScheduler:
                     if self._storing.get(h) == job_id:
                         del self._storing[h]
                 if job.failed == 0:
-                    self._emit_stored(job)
+                    self.manager.complete_store(job.block_hashes, job.token_ids, job.parent_hash)
                 elif state is not None:
                     # Some rank could not store: let a later step try these blocks again.
                     state.num_planned_blocks = min(state.num_planned_blocks, job.first_block)
@@ -361,7 +342,7 @@ class KVRayConnectorScheduler:
             bad = [i for i, b in enumerate(job.block_ids) if b in invalid]
             if not bad:
                 continue
-            self._quarantine_blocks(job.block_hashes[bad[0] :])
+            self.quarantine.add(job.block_hashes[bad[0] :])
             state = self._reqs.get(job.req_id)
             if state is not None:
                 state.num_planned_blocks = min(state.num_planned_blocks, job.first_block + bad[0])
@@ -390,30 +371,19 @@ class KVRayConnectorScheduler:
             or request.status == RequestStatus.FINISHED_ABORTED
         ):
             return planned, None
-        return self._hold_until_stored(request.request_id), self.handoffs.params(
-            [bytes(h) for h in request.block_hashes], full
+        # A prefill for a remote decode keeps its blocks until its stores are owned by a pool.
+        in_flight = any(j.is_store and j.req_id == request.request_id for j in self._jobs.values())
+        held = hold_until_stored(
+            request.request_id, self._new_stores, in_flight, self._add_empty_store
         )
+        return held, self.handoffs.params([bytes(h) for h in request.block_hashes], full)
 
-    def _hold_until_stored(self, req_id: ReqId) -> bool:
-        """A prefill for a remote decode keeps its blocks until every store of the request is
-        owned by a pool (not only gathered): its workers report it in ``finished_sending``
-        then. A final job with no blocks waits for the stores already in flight."""
-        mine = [s for s in self._new_stores.values() if s.req_id == req_id and s.finish]
-        for spec in mine:
-            spec.hold = True
-        if mine:
-            return True
-        if not any(j.is_store and j.req_id == req_id for j in self._jobs.values()):
-            return False
+    def _add_empty_store(self, spec: StoreSpec) -> None:
         job_id = next(self._job_ids)
-        self._new_stores[job_id] = StoreSpec(req_id, [], [], finish=True, hold=True)
-        self._jobs[job_id] = _Job(req_id, True, 0, [], [], pending=self.world_size)
-        return True
+        self._new_stores[job_id] = spec
+        self._jobs[job_id] = _Job(spec.req_id, True, 0, [], [], pending=self.world_size)
 
     # ---------------------------------------------------------------- events
-    def _emit_stored(self, job: _Job) -> None:
-        self.manager.complete_store(job.block_hashes, job.token_ids, job.parent_hash)
-
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.manager.take_events()
 

@@ -13,7 +13,27 @@ from kvray.metrics.common import LATENCY_BOUNDARIES, export_zero
 if TYPE_CHECKING:
     from kvray.feed import Subscriber
 
-__all__ = ["ClientMetrics", "ClientTally", "ViewTally"]
+__all__ = ["HANDOFF_BOUNDARIES", "ClientMetrics", "ClientTally", "HandoffMetrics", "ViewTally"]
+
+#: Buckets (s) of ``kvray_handoff_latency_s``: fine below 100 ms, where a handoff should be.
+HANDOFF_BOUNDARIES = [
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+]
 
 
 class ClientMetrics:
@@ -212,3 +232,43 @@ class ViewTally(ClientTally):
             view = feed.view
             self.view_blocks, self.view_bytes = len(view), view.nbytes
         super().flush()
+
+
+class HandoffMetrics:
+    """A decode engine's P/D handoffs (:class:`kvray.connector.handoff.HandoffPlanner`):
+    created by the first handoff a process takes, so only decode engines export them."""
+
+    _instances: dict[str, HandoffMetrics] = {}
+
+    def __init__(self, namespace: str) -> None:
+        keys = ("namespace",)
+        self.tags = {"namespace": namespace}
+        self.handoffs = metrics.Counter(
+            "kvray_handoffs", "Handed-off requests a decode engine began computing", tag_keys=keys
+        )
+        self.computed_tokens = metrics.Counter(
+            "kvray_handoff_computed_tokens",
+            "Prompt tokens a decode engine computed itself for handed-off requests",
+            tag_keys=keys,
+        )
+        self.latency = metrics.Histogram(
+            "kvray_handoff_latency_s",
+            "Prefill finished -> the decode engine's first step over the request done",
+            boundaries=HANDOFF_BOUNDARIES,
+            tag_keys=keys,
+        )
+
+    @classmethod
+    def get(cls, namespace: str) -> HandoffMetrics:
+        m = cls._instances.get(namespace)
+        if m is None:
+            m = cls._instances[namespace] = HandoffMetrics(namespace)
+        return m
+
+    def began(self, computed_tokens: int) -> None:
+        self.handoffs.inc(1, tags=self.tags)
+        if computed_tokens > 0:
+            self.computed_tokens.inc(computed_tokens, tags=self.tags)
+
+    def observe(self, seconds: float) -> None:
+        self.latency.observe(seconds, tags=self.tags)
