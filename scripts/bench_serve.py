@@ -166,7 +166,7 @@ def _figures(kind: str, res: dict[str, Any]) -> dict[str, Any]:
         "ttft_p50": stats["p50_ttft_ms"],
         "ttft_p90": stats["p90_ttft_ms"],
         "ttft_p99": stats["p99_ttft_ms"],
-        "req_s": stats["request_rate"],
+        "req_s": stats["measured_request_rate"],
         "itl_mean": stats["avg_itl_ms"],
         "itl_p99": stats["p99_itl_ms"],
         "tok_s": stats["throughput_tok_s"],
