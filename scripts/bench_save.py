@@ -96,13 +96,14 @@ def main() -> None:
         for block, per_put in SHAPES:
             puts = max(1, per_repeat // (block * per_put))
             data = np.random.default_rng(0).integers(0, 255, (per_put, block), dtype=np.uint8)
-            dst = np.empty_like(data)
+            # The floor: one copy of the same bytes, from memory (not the cache) to memory.
+            src_all = np.random.default_rng(1).integers(0, 255, puts * data.size, dtype=np.uint8)
+            dst_all = np.empty_like(src_all)
             samples: dict[str, list[float]] = {k: [] for k in ("writer", "pool", "raylet", "wall")}
             memcpy: list[float] = []
             for _ in range(args.repeats + 1):  # the first is a warm-up
                 c0 = time.process_time()
-                for _ in range(puts):
-                    np.copyto(dst, data)
+                np.copyto(dst_all, src_all)
                 memcpy.append(time.process_time() - c0)
                 w0, p0, r0 = me.cpu_times(), cpu_s(pools), cpu_s(raylets)
                 t0 = time.perf_counter()
