@@ -98,9 +98,16 @@ def split_tiers(total: int, c: Candidate) -> Tiers:
     return Tiers(e, local, remote, total - max(e, kv))
 
 
-def score(total: int, c: Candidate, w: Weights) -> float:
-    t = split_tiers(total, c)
-    hit = (w.engine * t.engine + w.local * t.local + w.remote * t.remote) / total if total else 0.0
+def weighted_hit(t: Tiers, w: Weights) -> float:
+    """The weighted blocks a replica would not compute (the score's numerator)."""
+    return w.engine * t.engine + w.local * t.local + w.remote * t.remote
+
+
+def score(total: int, c: Candidate, w: Weights, t: Tiers | None = None) -> float:
+    """``c``'s score for a prompt of ``total`` blocks (``t``: its tiers, if already split)."""
+    if t is None:
+        t = split_tiers(total, c)
+    hit = weighted_hit(t, w) / total if total else 0.0
     return hit - w.queue * c.queue - w.usage * c.usage
 
 
@@ -125,7 +132,8 @@ def pick(
     """Replicas best first, and the reason of the decision: the tier the chosen replica's
     prefix rests on, or ``balanced`` when load made another than the best hit win."""
     rng = rng or random
-    scores = [score(total, c, w) for c in candidates]
+    tiers = [split_tiers(total, c) for c in candidates]
+    scores = [score(total, c, w, t) for c, t in zip(candidates, tiers, strict=True)]
     best = max(scores)
     tied = [i for i, s in enumerate(scores) if s >= best - w.tie]
     if len(tied) > 1:  # power of two choices among the ties
@@ -135,8 +143,7 @@ def pick(
         first = tied[0]
     rest = sorted((i for i in range(len(replicas)) if i != first), key=lambda i: -scores[i])
     order = [first, *rest]
-    tiers = [split_tiers(total, c) for c in candidates]
-    hit = [t.engine * w.engine + t.local * w.local + t.remote * w.remote for t in tiers]
+    hit = [weighted_hit(t, w) for t in tiers]
     reason = reason_of(tiers[first])
     if hit[first] < max(hit):
         reason = "balanced"
