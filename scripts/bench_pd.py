@@ -29,20 +29,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import MODELS, ROOT, _bind, _load
+from bench_serve import (
+    BLOCK_SIZE,
+    KV_TOKENS,
+    MODELS,
+    ROOT,
+    _load,
+    _med,
+    bench_engine_args,
+    kv_bytes_per_token,
+    start_cluster,
+)
+from ray_probe import metrics_lines
 
 MODEL = "bench"
 APP = "benchpd"
@@ -68,19 +75,14 @@ def _scrape(urls: list[str], ns: str) -> dict[str, float]:
     """kvray's series of namespace ``ns`` summed over the nodes (histogram buckets keyed
     ``name{le}``)."""
     out: dict[str, float] = {}
-    for url in urls:
-        try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-        except OSError:
+    for line in metrics_lines(urls):
+        m = _SERIES.match(line)
+        if m is None or f'namespace="{ns}"' not in m.group(2):
             continue
-        for line in text.splitlines():
-            m = _SERIES.match(line)
-            if m is None or f'namespace="{ns}"' not in m.group(2):
-                continue
-            name = m.group(1)
-            le = re.search(r'le="([^"]+)"', m.group(2))
-            key = f"{name}{{{le.group(1)}}}" if le else name
-            out[key] = out.get(key, 0.0) + float(m.group(3))
+        name = m.group(1)
+        le = re.search(r'le="([^"]+)"', m.group(2))
+        key = f"{name}{{{le.group(1)}}}" if le else name
+        out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
 
 
@@ -123,10 +125,6 @@ def _kvray_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
     }
 
 
-def _med(rows: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -140,26 +138,11 @@ def main() -> None:
     ap.add_argument("--bind", default=True, action=argparse.BooleanOptionalAction,
                     help="each simulated node's vLLM workers on a core of their own")  # fmt: skip
     a = ap.parse_args()
-    kv_tokens = 4096
     shape = MODELS[a.model]
-    kv_bytes_per_token = shape["layers"] * shape["kv_heads"] * 64 * 2 * 4
-    block_size = 32
-    engine_args = {
-        "enforce_eager": True,
-        "dtype": "float32",
-        "block_size": block_size,
-        "kv_cache_memory_bytes": (kv_tokens + 64) * kv_bytes_per_token,
-        "max_model_len": kv_tokens,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": kv_tokens,
-        "seed": 0,
-        "enable_prompt_tokens_details": True,
-    }
+    engine_args = bench_engine_args(shape, KV_TOKENS)
 
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
-    from ray_probe import metrics_urls
     from vllm_helpers import build_text_model
 
     import kvray
@@ -167,21 +150,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-pd-"))
     model = build_text_model(work / "model", **shape)
-    node_args: dict[str, Any] = {
-        "num_cpus": 2, "object_store_memory": 512 << 20, "include_dashboard": False
-    }  # fmt: skip
-    system = {"metrics_report_interval_ms": 1000}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**node_args, **_bind(0, a), "_system_config": system},
-    )
-    cluster.add_node(**node_args, **_bind(1, a))
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    urls = metrics_urls()
-    os.environ["RAY_ADDRESS"] = cluster.address
-    port = 18000 + random.randrange(1000)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cluster, urls, port = start_cluster(a)
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     try:
         for r in range(a.repeats):
@@ -231,8 +200,8 @@ def main() -> None:
         f"\nbench_pd: vLLM bench serve, random prompts {a.isl} +- {a.range_ratio:.0%} tokens, "
         f"output {a.osl}, {a.requests} requests at {a.rate}/s (Poisson), concurrency "
         f"{a.concurrency}; 2 replicas (P/D 1:1 or collocated) on a simulated 2-node cluster, "
-        f"bind={a.bind}, model {a.model}, block {block_size} tokens = "
-        f"{block_size * kv_bytes_per_token // 1024} KiB; medians of {a.repeats}"
+        f"bind={a.bind}, model {a.model}, block {BLOCK_SIZE} tokens = "
+        f"{BLOCK_SIZE * kv_bytes_per_token(shape) // 1024} KiB; medians of {a.repeats}"
     )
     print(
         f"{'config':<11} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>6} {'tok/s':>6} "

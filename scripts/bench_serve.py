@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -52,7 +51,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 import peers  # noqa: E402
-from ray_probe import cpu_by_process, cpu_delta, gcs_rpc_snapshot, metrics_urls  # noqa: E402
+from ray_probe import (  # noqa: E402
+    cpu_by_process,
+    cpu_delta,
+    gcs_rpc_snapshot,
+    metrics_lines,
+    metrics_urls,
+)
 
 MODEL = "bench"
 APP = "bench"
@@ -134,15 +139,10 @@ def prompt_token_sources(urls: list[str]) -> Counter[str]:
     engine metrics at each node's Ray metrics endpoint): ``local_compute`` (prefilled),
     ``local_cache_hit`` (vLLM's own prefix cache), ``external_kv_transfer`` (kvray)."""
     counts: Counter[str] = Counter()
-    for url in urls:
-        try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            m = _SOURCES.match(line)
-            if m is not None:
-                counts[m.group(1)] += int(float(m.group(2)))
+    for line in metrics_lines(urls):
+        m = _SOURCES.match(line)
+        if m is not None:
+            counts[m.group(1)] += int(float(m.group(2)))
     return counts
 
 
@@ -223,6 +223,56 @@ def _run_one(
         "cpu_total": sum(cpu.values()) / n,
         "gcs_rpcs": {k: v / n for k, v in rpcs.items() if v > 0},
     }
+
+
+#: Engine cache per replica, in tokens: two or three sessions' worth, fewer than are in flight.
+KV_TOKENS = 4096
+BLOCK_SIZE = 32
+
+
+def kv_bytes_per_token(shape: dict[str, int]) -> int:
+    """KV bytes per token of a model preset (float32, head dim 64)."""
+    return shape["layers"] * shape["kv_heads"] * 64 * 2 * 4
+
+
+def bench_engine_args(shape: dict[str, int], kv_tokens: int) -> dict[str, Any]:
+    """The engine settings every serving bench uses: an engine cache of ``kv_tokens``."""
+    return {
+        "enforce_eager": True,
+        "dtype": "float32",
+        "block_size": BLOCK_SIZE,
+        "kv_cache_memory_bytes": (kv_tokens + 64) * kv_bytes_per_token(shape),
+        "max_model_len": kv_tokens,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": kv_tokens,
+        "seed": 0,
+        "enable_prompt_tokens_details": True,
+    }
+
+
+def start_cluster(a: argparse.Namespace) -> tuple[Any, list[str], int]:
+    """A simulated 2-node cluster (each node's vLLM on its own core with ``a.bind``), this
+    driver connected, Serve's HTTP proxy up: (cluster, metrics endpoints, HTTP port)."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    node_args: dict[str, Any] = {
+        "num_cpus": 2, "object_store_memory": 512 << 20, "include_dashboard": False
+    }  # fmt: skip
+    system = {"metrics_report_interval_ms": 1000}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**node_args, **_bind(0, a), "_system_config": system},
+    )
+    cluster.add_node(**node_args, **_bind(1, a))
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    urls = metrics_urls()
+    os.environ["RAY_ADDRESS"] = cluster.address
+    port = 18000 + random.randrange(1000)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return cluster, urls, port
 
 
 def _bind(node: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -348,24 +398,12 @@ def main() -> None:
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}: choose from {sorted(WORKLOADS)}")
-    a.kv_tokens = 4096  # two or three sessions' worth per replica: fewer than are in flight
+    a.kv_tokens = KV_TOKENS
     shape = MODELS[a.model]
-    kv_bytes_per_token = shape["layers"] * shape["kv_heads"] * 64 * 2 * 4
-    engine_args = {
-        "enforce_eager": True,
-        "dtype": "float32",
-        "block_size": 32,
-        "kv_cache_memory_bytes": (a.kv_tokens + 64) * kv_bytes_per_token,
-        "max_model_len": a.kv_tokens,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": a.kv_tokens,
-        "seed": 0,
-        "enable_prompt_tokens_details": True,
-    }
+    engine_args = bench_engine_args(shape, a.kv_tokens)
 
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
     from vllm_helpers import build_text_model
 
     import kvray
@@ -373,21 +411,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
     model = build_text_model(work / "model", **shape)
-    node_args: dict[str, Any] = {
-        "num_cpus": 2, "object_store_memory": 512 << 20, "include_dashboard": False
-    }  # fmt: skip
-    system = {"metrics_report_interval_ms": 1000}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**node_args, **_bind(0, a), "_system_config": system},
-    )
-    cluster.add_node(**node_args, **_bind(1, a))
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    urls = metrics_urls()
-    os.environ["RAY_ADDRESS"] = cluster.address
-    port = 18000 + random.randrange(1000)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cluster, urls, port = start_cluster(a)
     results: dict[tuple[str, float], list[dict[str, Any]]] = {
         (c, w): [] for c in configs for w in workloads
     }

@@ -14,6 +14,7 @@ import re
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 
 import psutil
 
@@ -82,20 +83,26 @@ _GCS_RPC = re.compile(
 )
 
 
-def gcs_rpc_counts(metrics_urls: list[str]) -> Counter[str]:
-    """The GCS's handled RPCs so far by method (``Service.Method``), as Ray exports them to
-    Prometheus (``ray_grpc_server_req_process_time_ms_count``, component ``gcs_server``)
-    at the head node's metrics endpoint: what an operator's dashboard shows."""
-    counts: Counter[str] = Counter()
+def metrics_lines(metrics_urls: list[str]) -> Iterator[str]:
+    """Every line of every reachable Prometheus endpoint (one that does not answer is
+    skipped: a node may be gone)."""
     for url in metrics_urls:
         try:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
             continue
-        for line in text.splitlines():
-            m = _GCS_RPC.match(line)
-            if m is not None:
-                counts[m.group(1).replace(".grpc_server.", ".")] += int(float(m.group(2)))
+        yield from text.splitlines()
+
+
+def gcs_rpc_counts(metrics_urls: list[str]) -> Counter[str]:
+    """The GCS's handled RPCs so far by method (``Service.Method``), as Ray exports them to
+    Prometheus (``ray_grpc_server_req_process_time_ms_count``, component ``gcs_server``)
+    at the head node's metrics endpoint: what an operator's dashboard shows."""
+    counts: Counter[str] = Counter()
+    for line in metrics_lines(metrics_urls):
+        m = _GCS_RPC.match(line)
+        if m is not None:
+            counts[m.group(1).replace(".grpc_server.", ".")] += int(float(m.group(2)))
     return counts
 
 
