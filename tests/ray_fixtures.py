@@ -35,7 +35,7 @@ def _node_args(resources: dict[str, float], num_cpus: int) -> dict:
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free TCP port below the kernel's ephemeral range (so no outgoing socket takes it)."""
     for _ in range(200):
         port = random.randrange(20000, 32000)
@@ -56,14 +56,14 @@ def ray_cluster() -> Iterator[Cluster]:
     Prometheus at RAY_PROMETHEUS_HOST, a port kept free for tests/test_monitor.py.
     """
     old_prom = os.environ.get("RAY_PROMETHEUS_HOST")
-    os.environ["RAY_PROMETHEUS_HOST"] = f"http://127.0.0.1:{_free_port()}"
+    os.environ["RAY_PROMETHEUS_HOST"] = f"http://127.0.0.1:{free_port()}"
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             **_node_args({"head": 1}, 2),
             "include_dashboard": True,
             "dashboard_host": "127.0.0.1",
-            "dashboard_port": _free_port(),
+            "dashboard_port": free_port(),
             "_system_config": {
                 # Detect removed nodes within seconds (defaults take ~30 s).
                 "health_check_initial_delay_ms": 0,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
@@ -30,6 +29,7 @@ from ray.cluster_utils import Cluster
 pytest.importorskip("vllm")
 pytest.importorskip("ray.serve.llm")
 
+from ray_fixtures import free_port
 from vllm_helpers import BLOCK_SIZE, build_text_model
 
 import kvray
@@ -70,12 +70,6 @@ class Served:
         return OpenAI(base_url=self.base_url, api_key="unused", timeout=timeout, max_retries=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def served(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from ray import serve
@@ -85,7 +79,7 @@ def served(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     model = build_text_model(tmp_path_factory.mktemp("serve") / "model", vocab=VOCAB)
     ns = f"serve{uuid.uuid4().hex[:6]}"
     kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
-    port = _free_port()
+    port = free_port()
     loop = asyncio.new_event_loop()
     try:
         app = build_app(

@@ -9,7 +9,6 @@ request on one replica."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from ray.cluster_utils import Cluster
 pytest.importorskip("vllm")
 pytest.importorskip("ray.serve.llm")
 
+from ray_fixtures import free_port
 from test_serve import ENGINE_ARGS, MODEL, VOCAB, _token_prompt, _wait_held, _wait_running
 from vllm_helpers import BLOCK_SIZE, build_text_model
 
@@ -32,12 +32,6 @@ APP = "kvray-pd-test"
 TEXT = "".join(f"row_{i} = fetch({i}, retries=3)\n" for i in range(30))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def pd_app(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from ray import serve
@@ -47,7 +41,7 @@ def pd_app(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     model = build_text_model(tmp_path_factory.mktemp("pd") / "model", vocab=VOCAB)
     ns = f"pd{uuid.uuid4().hex[:6]}"
     kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
-    port = _free_port()
+    port = free_port()
     try:
         app = build_app(
             model,
