@@ -418,6 +418,17 @@ def e2e_small_puts(n: int, repeats: int) -> dict[str, float]:
     return {shape: statistics.median(r) for shape, r in rates.items()}
 
 
+def _init_ray() -> None:
+    """A local Ray for the actor phases (4 CPUs, 2 GiB object store)."""
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=2 << 30,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1M blocks, short phases")
@@ -443,13 +454,7 @@ def main() -> None:
         args.lookups, args.markers = 5000, 100
 
     if args.e2e_only:
-        ray.init(
-            address="local",
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=2 << 30,
-        )
+        _init_ray()
         try:
             small = e2e_small_puts(args.e2e_blocks, args.repeats)
         finally:
@@ -471,13 +476,7 @@ def main() -> None:
     tp1 = [micro_ingest(min(args.blocks, 4_000_000), 1) for _ in range(args.repeats)]
     tp8 = [micro_ingest(min(args.blocks, 4_000_000), 8) for _ in range(args.repeats)]
     base = dict_baseline(min(args.blocks, 1_000_000))
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=2 << 30,
-    )
+    _init_ray()
     try:
         cl = cluster_phase(args)
         e2e = [e2e_phase(args.e2e_blocks) for _ in range(args.repeats)]
