@@ -197,11 +197,15 @@ def close_llm(llm: Any) -> None:
     gc.collect()
 
 
+def scheduler_of(llm: Any) -> Any:
+    """The vLLM scheduler of an in-process engine (None if not in-process)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
 def connector_of(llm: Any) -> Any:
     """The scheduler-role kvray connector of an in-process engine (None if not in-process)."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    sched = getattr(core, "scheduler", None)
-    return getattr(sched, "connector", None)
+    return getattr(scheduler_of(llm), "connector", None)
 
 
 def finish_delayed_frees(llm: Any, max_steps: int = 8) -> None:
@@ -212,7 +216,7 @@ def finish_delayed_frees(llm: Any, max_steps: int = 8) -> None:
     returns before that step, so ``reset_prefix_cache()`` right after it may return False
     (LMCache's connector does the same). ``LLMEngine.step()`` runs that step."""
     for _ in range(max_steps):
-        sched = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
+        sched = scheduler_of(llm)
         if sched is None or not sched.has_requests():
             return
         llm.llm_engine.step()
