@@ -160,6 +160,7 @@ _SIZE_FIELDS = {
     "max_inflight_put_bytes": 0,
     "staging_bytes": 0,
     "disk_capacity": 0,
+    "load_bytes_per_s": 1 << 20,
 }
 #: Upper bound of ``disk_admit_min_hits`` (a higher value would admit nothing, silently).
 MAX_ADMIT_HITS = 1 << 20
@@ -202,6 +203,10 @@ class KVRayConfig:
     #: Connector: longest a load may hold up a step; blocks not loaded by then are reported
     #: failed and recomputed (a load never stalls the forward pass for ``get_timeout_s``).
     load_timeout_s: float = 0.5
+    #: Connector: the slowest rate a load is given time for. Its deadline is
+    #: ``load_timeout_s`` plus its bytes at this rate, so a large pull from another node's
+    #: pool (256 MiB: +1 s) is not cut short and recomputed at many times its cost.
+    load_bytes_per_s: int = 256 << 20
     #: Connector: ``sync`` loads hits inside ``start_load_kv``; ``layerwise`` (CPU caches)
     #: starts them there and copies one layer at a time while the forward pass runs, which
     #: waits per layer in ``wait_for_layer_load``; ``async`` loads them in the background and

@@ -257,8 +257,9 @@ def start_cluster(a: argparse.Namespace) -> tuple[Any, list[str], int]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    node_args: dict[str, Any] = {
-        "num_cpus": 2, "object_store_memory": 512 << 20, "include_dashboard": False
+    node_args: dict[str, Any] = {  # replicas take 2 logical CPUs each
+        "num_cpus": max(2, getattr(a, "replicas", 2)), "object_store_memory": 512 << 20,
+        "include_dashboard": False,
     }  # fmt: skip
     system = {"metrics_report_interval_ms": 1000}
     cluster = Cluster(
@@ -293,9 +294,9 @@ def _med(rows: list[dict[str, Any]], key: str) -> float:
 def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.Namespace) -> None:
     print(
         f"\nbench_serve: Ray's multi-turn benchmark, {a.sessions} sessions x {a.turns} turns, "
-        f"ISL {a.isl}, OSL {a.osl}, concurrency {a.concurrency}; 2 replicas on a simulated "
-        f"2-node cluster, model {a.model}, KV cache {a.kv_tokens} tokens per replica; medians of "
-        f"{a.repeats}"
+        f"ISL {a.isl}, OSL {a.osl}, concurrency {a.concurrency}; {a.replicas} replicas on a "
+        f"simulated 2-node cluster, model {a.model}, KV cache {a.kv_tokens} tokens per "
+        f"replica; medians of {a.repeats}"
     )
     print(
         f"{'config':<13} {'workload':<10} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL mean':>9} "
@@ -373,6 +374,9 @@ def main() -> None:
     ap.add_argument("--isl", type=int, default=1500)
     ap.add_argument("--osl", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
+                    help="a replica's engine cache in tokens (and max model length)")  # fmt: skip
+    ap.add_argument("--replicas", type=int, default=2, help="vLLM replicas, over the 2 nodes")
     ap.add_argument("--model", default="gqa", choices=sorted(MODELS))
     ap.add_argument("--kvray-config", default="{}", help="JSON: kvray connector settings")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
@@ -398,7 +402,6 @@ def main() -> None:
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}: choose from {sorted(WORKLOADS)}")
-    a.kv_tokens = KV_TOKENS
     shape = MODELS[a.model]
     engine_args = bench_engine_args(shape, a.kv_tokens)
 
@@ -428,7 +431,7 @@ def main() -> None:
                     lmc = peers.LMCacheServer(l1_size_gb=0.5, log=work / f"lmcache{r}.log")
                 build = partial(peers.build_serve_app, port=lmc.port) if lmc else build_app
                 app = build(
-                    model, namespace=ns, replicas=2, served_model_name=MODEL,
+                    model, namespace=ns, replicas=a.replicas, served_model_name=MODEL,
                     engine_args=engine_args, router=router, kv_cache=kv_cache, num_cpus=2,
                     kvray_config={**json.loads(a.kvray_config), **overrides.get(cfg, {})}
                     if kv_cache == "kvray" else None,

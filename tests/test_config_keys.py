@@ -72,6 +72,7 @@ def test_from_dict_converts_cli_strings() -> None:
     assert cfg.capacity == 2 << 30
     assert cfg.verify_checksums is False
     assert cfg.get_timeout_s == 2.5
+    assert KVRayConfig.from_dict({"load_bytes_per_s": "1GiB"}).load_bytes_per_s == 1 << 30
 
 
 @pytest.mark.parametrize(
@@ -87,6 +88,7 @@ def test_from_dict_converts_cli_strings() -> None:
         ({"verify_checksums": "maybe"}, "verify_checksums", "maybe"),
         ({"load_mode": "eager"}, "load_mode", "eager"),
         ({"segment_bytes": "1KiB"}, "segment_bytes", "1KiB"),
+        ({"load_bytes_per_s": "64KiB"}, "load_bytes_per_s", "64KiB"),
         ({"capacitty": "1GiB"}, "capacitty", "1GiB"),
     ],
 )

@@ -25,6 +25,7 @@ from vllm_helpers import (
     engine_actor,
     engine_kwargs,
     finish_delayed_frees,
+    full_hit_tokens,
     generate,
     in_process_engines,
     kvray_transfer_config,
@@ -45,11 +46,6 @@ PROMPTS = {
     "loss": make_prompts(2, 200, 30, seed=3),
     "xnode": make_prompts(2, 170, 50, seed=4),
 }
-
-
-def _full_hit(prompt: list[int]) -> int:
-    """Tokens a complete kvray hit covers: whole blocks, at least one token left to compute."""
-    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +111,13 @@ def test_tokens_identical_and_prefix_loaded(
     second = generate(llm, prompts)
     assert token_ids(second) == reference["share"]
     # The first request can only have its prefix from kvray (vLLM's cache was reset).
-    assert cached_tokens(second)[0] == _full_hit(prompts[0])
-    assert sched.hit_tokens - hits_before >= _full_hit(prompts[0])
+    assert cached_tokens(second)[0] == full_hit_tokens(prompts[0])
+    assert sched.hit_tokens - hits_before >= full_hit_tokens(prompts[0])
 
     # A fresh engine in another process, vLLM's default multiprocess mode.
     (other,) = run_engine_process(tiny_model, prompts, tmp_path, namespace=ns)
     assert other["tokens"] == reference["share"]
-    assert other["cached"][0] == _full_hit(prompts[0])
+    assert other["cached"][0] == full_hit_tokens(prompts[0])
 
 
 def test_loaded_kv_is_used_and_lost_blocks_recomputed(
@@ -156,7 +152,7 @@ def test_loaded_kv_is_used_and_lost_blocks_recomputed(
         real = real_fetch(*args, **kw)
         return Fetched(real.keys[:2], "evicted", real.reads[:2], real.shard, real.pools)
 
-    full = _full_hit(prompts[0])
+    full = full_hit_tokens(prompts[0])
     try:
         store.fetch_from = lambda *a, **k: different_bytes(*a, keep_checksums=False, **k)
         finish_delayed_frees(llm)
@@ -215,7 +211,7 @@ def test_node_loss_between_store_and_load(
         sched = connector_of(llm).scheduler
         # The loader's view shows the whole prefix as a kvray hit, held only by the lost node.
         hashes = _block_hashes(prompts[0])
-        assert len(hashes) == _full_hit(prompts[0]) // BLOCK_SIZE
+        assert len(hashes) == full_hit_tokens(prompts[0]) // BLOCK_SIZE
         assert sched._find_hit(hashes)[0] == len(hashes)
     finally:
         ray_cluster.remove_node(node)
@@ -286,7 +282,7 @@ def test_cross_node_engine_loads_blocks_stored_on_other_node(
     assert node_b != node_a
     out_b = ray.get(b.generate.remote(prompts), timeout=300)
     assert out_b["tokens"] == reference["xnode"]
-    assert out_b["cached"][0] == _full_hit(prompts[0])
+    assert out_b["cached"][0] == full_hit_tokens(prompts[0])
     ray.get(b.close.remote(), timeout=60)
     ray.kill(b)
 
@@ -310,8 +306,8 @@ def test_tensor_parallel_2_identical_tokens_and_hits(
     )
     assert first["tokens"] == reference["share"]
     assert second["tokens"] == reference["share"]
-    assert second["cached"][0] == _full_hit(prompts[0])
+    assert second["cached"][0] == full_hit_tokens(prompts[0])
     store = kvray.connect(kvray_ns)
     store.sync()
     # Two shards of every stored block: 7 distinct blocks per shard for this prompt set.
-    assert store.stats()["totals"]["blocks"] >= 2 * (_full_hit(prompts[0]) // BLOCK_SIZE)
+    assert store.stats()["totals"]["blocks"] >= 2 * (full_hit_tokens(prompts[0]) // BLOCK_SIZE)

@@ -287,9 +287,9 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 def _full_hit(prompt: list[int]) -> int:
-    from vllm_helpers import BLOCK_SIZE
+    from vllm_helpers import full_hit_tokens
 
-    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    return full_hit_tokens(prompt)
 
 
 def _hashes(prompt: list[int], salt: str | None = None) -> list[str]:

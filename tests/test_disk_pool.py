@@ -407,6 +407,7 @@ def test_vllm_loads_a_prefix_from_disk_after_a_warm_restart(
         connector_of,
         engine_kwargs,
         finish_delayed_frees,
+        full_hit_tokens,
         generate,
         kvray_transfer_config,
         make_prompts,
@@ -421,7 +422,7 @@ def test_vllm_loads_a_prefix_from_disk_after_a_warm_restart(
     ktc = kvray_transfer_config(ns, capacity="1MiB", get_timeout_s=10, **disk)
     llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
     prompts = make_prompts(2, 200, 30, seed=7)
-    full_hit = (len(prompts[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    full_hit = full_hit_tokens(prompts[0])
     try:
         recomputed = generate(llm, prompts)
         finish_delayed_frees(llm)

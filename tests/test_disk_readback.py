@@ -498,13 +498,13 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     pytest.importorskip("vllm")
     from vllm import LLM
     from vllm_helpers import (
-        BLOCK_SIZE,
         build_tiny_llama,
         cached_tokens,
         close_llm,
         connector_of,
         engine_kwargs,
         finish_delayed_frees,
+        full_hit_tokens,
         generate,
         kvray_transfer_config,
         make_prompts,
@@ -522,7 +522,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     other = None
     prompts = make_prompts(2, 200, 30, seed=7)  # 8 blocks of 64 KiB
     theirs = make_prompts(1, 480, 30, seed=8)  # 15 blocks: RAM is 16
-    full_hit = (len(prompts[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    full_hit = full_hit_tokens(prompts[0])
 
     def counters() -> Any:
         return connector_of(llm).scheduler.counters.add(worker_connector_of(llm).worker.counters())

@@ -612,10 +612,10 @@ def _counters(llm: Any) -> Any:
 
 
 def _hit_blocks(prompt: list[int]) -> int:
-    """Blocks a complete kvray hit of ``prompt`` covers (one token is left to compute)."""
-    from vllm_helpers import BLOCK_SIZE
+    """Blocks a complete kvray hit of ``prompt`` loads."""
+    from vllm_helpers import full_hit_blocks
 
-    return (len(prompt) - 1) // BLOCK_SIZE
+    return full_hit_blocks(prompt)
 
 
 def _present(llm: Any, prompt: list[int]) -> int:
@@ -1014,3 +1014,57 @@ def test_layerwise_loads_fail_into_recompute(engines: Engines) -> None:
 @pytest.mark.slow
 def test_async_loads_fail_into_recompute(engines: Engines) -> None:
     _load_failures(engines, "async")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_prompt_that_fills_its_last_block_recomputes_one_token(engines: Engines) -> None:
+    """A hit on every block of a prompt that fills its last block loads that block too and
+    reports one token less: vLLM recomputes one token, not a block, and its tokens are a
+    recompute's (the loaded last block is the KV the rest of the prompt attends to)."""
+    from vllm_helpers import BLOCK_SIZE, cached_tokens
+
+    for mode in ("async", "sync"):  # async first: the engine the test before left
+        llm = engines(mode)
+        (prompt,) = prompts = _prompts(1, 200, 56)
+        assert len(prompt) % BLOCK_SIZE == 0
+        ref = _cold(llm, prompts)
+        with _Delta(llm) as d:
+            tokens, outs = _warm(llm, prompts)
+        assert tokens == ref, mode
+        assert cached_tokens(outs) == [len(prompt) - 1], mode
+        assert d.loaded == len(prompt) // BLOCK_SIZE and d.failed == 0, (mode, d)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_load_gets_time_for_its_bytes(engines: Engines) -> None:
+    """A load's deadline is ``load_timeout_s`` plus its bytes at ``load_bytes_per_s``: a pool
+    that answers after longer than ``load_timeout_s`` (frozen for a while, as a big pull from
+    another node takes a while), but within the time the load's bytes are given, still loads
+    every block (the frozen-pool case of ``_load_failures`` is the same stall cut at
+    ``load_timeout_s``)."""
+    llm = engines("sync")
+    handler = _worker(llm).handler
+    (prompt,) = prompts = _prompts(1, 700, 20)
+    blocks = _hit_blocks(prompt)
+    stall_s = LOAD_TIMEOUT_S + 0.5
+    slow = handler.config.replace(load_bytes_per_s=1 << 20)
+    assert blocks * handler.block_nbytes / slow.load_bytes_per_s > stall_s  # the bytes' time
+    ref = _cold(llm, prompts)
+    pid = _pid(_head_pool(engines.ns))
+
+    def freeze() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(stall_s, os.kill, (pid, signal.SIGCONT)).start()
+
+    config, handler.config = handler.config, slow
+    try:
+        with _Delta(llm) as d, _OnFirstLoad(llm, freeze) as hook:
+            tokens, _ = _warm(llm, prompts)
+    finally:
+        handler.config = config
+        os.kill(pid, signal.SIGCONT)
+    assert hook.fired.is_set() and tokens == ref
+    assert d.loaded == blocks and d.failed == 0, d
+    assert max(hook.durations) > stall_s - 0.1, hook.durations  # it did wait on the pool

@@ -21,6 +21,8 @@ from vllm_helpers import (
     close_llm,
     connector_of,
     engine_kwargs,
+    full_hit_blocks,
+    full_hit_tokens,
     generate,
     in_process_engines,
     kvray_transfer_config,
@@ -86,10 +88,6 @@ def _decode(llm: Any, prompt: list[int], params: dict[str, Any]) -> Any:
     return _run(llm, prompt, MAX_TOKENS, params)
 
 
-def _full_hit(prompt: list[int]) -> int:
-    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
 @contextlib.contextmanager
 def _feed_paused(llm: Any) -> Iterator[None]:
     """The scheduler's view gets no update while this is held (its feed waits on the lock)."""
@@ -114,13 +112,13 @@ def test_decode_loads_the_handoff_with_the_feed_paused(engines: Any) -> None:
         assert sched.manager.lookup([bytes(b) for b in _hashes(prompt)]) == 0
     assert list(out.outputs[0].token_ids) == reference[0]
     # The decode computed at most one block of the prompt itself.
-    assert out.num_cached_tokens == _full_hit(prompt)
+    assert out.num_cached_tokens == full_hit_tokens(prompt)
     assert len(prompt) - out.num_cached_tokens <= BLOCK_SIZE
-    assert sched.handoffs.offered_tokens - before[0] == _full_hit(prompt)
-    assert sched.counters.loaded_blocks - before[1] == _full_hit(prompt) // BLOCK_SIZE
+    assert sched.handoffs.offered_tokens - before[0] == full_hit_tokens(prompt)
+    assert sched.counters.loaded_blocks - before[1] == full_hit_blocks(prompt)
     # The handoff's figures: one begun, the prompt's last partial block computed, one latency.
     assert sched.handoffs.begun - begun == 1
-    assert sched.handoffs.computed_tokens - computed == len(prompt) - _full_hit(prompt)
+    assert sched.handoffs.computed_tokens - computed == len(prompt) - full_hit_tokens(prompt)
     assert len(sched.handoffs.latencies_s) == timed + 1
 
 
@@ -133,7 +131,7 @@ def test_a_later_request_with_the_prefix_hits_kvray_on_either_side(engines: Any)
     sched = connector_of(llm).scheduler
     prompt = PROMPTS[0]
     hashes = [bytes(b) for b in _hashes(prompt)]
-    full = _full_hit(prompt)
+    full = full_hit_tokens(prompt)
     _prefill(llm, prompt)
     _reset(llm)
     deadline = time.monotonic() + 30
@@ -169,7 +167,7 @@ def test_blocks_missing_at_load_time_are_recomputed(engines: Any) -> None:
     out = _decode(llm, prompt, lost)
     assert time.monotonic() - t0 < 30
     assert list(out.outputs[0].token_ids) == reference[1]
-    assert sched.counters.failed_blocks - failed == _full_hit(prompt) // BLOCK_SIZE
+    assert sched.counters.failed_blocks - failed == full_hit_blocks(prompt)
     # A pool that is alive but holds none of them (evicted): looked for, then recomputed.
     other = _prefill(llm, PROMPTS[2])
     pool = other["kvray"]["pools"][0]

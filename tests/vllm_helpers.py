@@ -84,6 +84,17 @@ def make_prompts(
     return [prefix + [rng.randrange(3, vocab) for _ in range(suffix_len)] for _ in range(n)]
 
 
+def full_hit_tokens(prompt: Sequence[int]) -> int:
+    """Tokens a complete kvray hit of ``prompt`` reports to vLLM: its whole blocks, and at
+    least one token left to compute (a prompt that fills its last block: all but one)."""
+    return min(len(prompt) // BLOCK_SIZE * BLOCK_SIZE, len(prompt) - 1)
+
+
+def full_hit_blocks(prompt: Sequence[int]) -> int:
+    """Blocks a complete kvray hit of ``prompt`` loads: every whole block of it."""
+    return len(prompt) // BLOCK_SIZE
+
+
 @contextlib.contextmanager
 def in_process_engines() -> Iterator[None]:
     """vLLM engines built inside run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),

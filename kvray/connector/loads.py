@@ -75,7 +75,7 @@ class LoadJob:
     def sources(self) -> list[Source]:
         return [(f.arrays, part) for f, part in zip(self.fetched, self.parts, strict=True)]
 
-    def fetch(self, store: TransferStore, deadline: float, timeout_s: float) -> None:
+    def fetch(self, store: TransferStore, deadline: float) -> None:
         """Fetch every stored shard the rank needs (later shards only the blocks the earlier
         ones could read); keep the blocks all of them could read. A handoff (``wait_s``)
         fetches again while blocks are not in their pool yet (a prefill still putting
@@ -84,14 +84,14 @@ class LoadJob:
             return
         until = min(deadline, self.t0_mono + self.spec.wait_s)
         while True:
-            self._fetch_once(store, deadline, timeout_s)
+            self._fetch_once(store, deadline)
             if self.readable == len(self.keys) or not self.why.startswith(NOT_YET):
                 return
             if time.monotonic() + RETRY_S >= until:
                 return
             time.sleep(RETRY_S)
 
-    def _fetch_once(self, store: TransferStore, deadline: float, timeout_s: float) -> None:
+    def _fetch_once(self, store: TransferStore, deadline: float) -> None:
         self.why, self.fetched = "", []
         ids = key_ids(self.keys)
         n = len(self.keys)
@@ -99,7 +99,7 @@ class LoadJob:
         for part, slots in zip(self.parts, self.slots, strict=True):
             left = deadline - time.monotonic()
             if left <= 0:
-                self.why = f"load timed out (load_timeout_s={timeout_s})"
+                self.why = f"load timed out ({time.monotonic() - self.t0_mono:.2f} s)"
                 return
             f = store.fetch_from(self.keys[:n], ids[:n], part.shard, slots[:n], self.pools, left)
             got.append(f)

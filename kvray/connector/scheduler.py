@@ -57,6 +57,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _hit_tokens(request: Request, hit_end: int) -> int:
+    """Where a hit of whole blocks ending at token ``hit_end`` stops: one token short of the
+    prompt's end at most, since vLLM computes at least one token to sample from."""
+    return min(hit_end, request.num_tokens - 1)
+
+
 @dataclass
 class _RequestState:
     request: Request
@@ -145,15 +151,17 @@ class KVRayConnectorScheduler:
     ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` kvray holds in full blocks on every shard.
 
-        Never the whole prompt: vLLM must compute at least one token to sample from, so a hit
-        stops one token short of ``num_tokens`` (rounded down to a block).
+        Never the whole prompt: vLLM must compute at least one token to sample from. A hit on
+        every block of a prompt that fills its last block loads that block whole and reports
+        one token less, so vLLM recomputes one token, not a block (the recomputed token's KV
+        overwrites its loaded copy with the same values).
         """
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _RequestState(request)
         state.num_local_tokens = num_computed_tokens
         bs = self.block_size
-        max_blocks = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        max_blocks = min(len(request.block_hashes), request.num_tokens // bs)
         start = num_computed_tokens // bs
         if max_blocks <= start:
             return 0, False
@@ -165,12 +173,12 @@ class KVRayConnectorScheduler:
             hit_blocks = self.quarantine.usable(hashes[: state.handoff.num_blocks])
             if hit_blocks > start:
                 state.hit_grouping = state.handoff.grouping
-                return hit_blocks * bs - num_computed_tokens, True
+                return _hit_tokens(request, hit_blocks * bs) - num_computed_tokens, True
         self.lookups += 1
         hit_blocks, state.hit_grouping = self._find_hit(hashes)
         if hit_blocks <= start:
             return 0, False
-        num_tokens = hit_blocks * bs - num_computed_tokens
+        num_tokens = _hit_tokens(request, hit_blocks * bs) - num_computed_tokens
         return num_tokens, self._load_async
 
     def update_state_after_alloc(
@@ -183,9 +191,10 @@ class KVRayConnectorScheduler:
         if num_external_tokens == 0:
             return
         bs = self.block_size
-        # Whole blocks: a block vLLM computed part of is loaded whole (the same prefix's KV).
+        # Whole blocks: a block vLLM computed part of is loaded whole (the same prefix's KV), and
+        # so is a prompt's last block when the hit stops one token short of it.
         first = state.num_local_tokens // bs
-        last = (state.num_local_tokens + num_external_tokens) // bs
+        last = -(-(state.num_local_tokens + num_external_tokens) // bs)
         hashes = [bytes(h) for h in request.block_hashes[first:last]]
         handoff = state.handoff
         if handoff is not None and last <= handoff.num_blocks:

@@ -158,7 +158,9 @@ class TransferHandler(StorePath):
     def submit_loads(self, meta: KVRayConnectorMetadata) -> None:
         """Start (sync: run) the step's loads."""
         self.finish_layers()  # defensive: the previous step's loads are complete
-        deadline = time.monotonic() + self.config.load_timeout_s
+        deadline = time.monotonic() + self.load_bound_s(
+            s for s in meta.loads.values() if not s.is_async
+        )
         layered: list[LoadJob] = []
         for job_id, spec in meta.loads.items():
             job = self._job(job_id, spec, meta)
@@ -171,6 +173,12 @@ class TransferHandler(StorePath):
         if layered:
             self._layers = _Layers(deadline)
             self._layers.future = self._executor().submit(self._run_layers, self._layers, layered)
+
+    def load_bound_s(self, specs: Iterable[LoadSpec]) -> float:
+        """How long loads of ``specs`` may take: ``load_timeout_s`` plus their bytes (this
+        rank's) at ``load_bytes_per_s``."""
+        nbytes = sum(len(s.block_hashes) for s in specs) * self.block_nbytes
+        return self.config.load_timeout_s + nbytes / self.config.load_bytes_per_s
 
     def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> LoadJob:
         return LoadJob.plan(self.key_space, self._parts, job_id, spec, meta)
@@ -194,7 +202,7 @@ class TransferHandler(StorePath):
                 self._finished_recving.add(job.spec.req_id)
 
     def _run_async(self, job: LoadJob) -> None:
-        wait = max(self.config.load_timeout_s, job.spec.wait_s)  # a handoff waits for puts
+        wait = max(self.load_bound_s([job.spec]), job.spec.wait_s)  # a handoff waits for puts
         ok = self._run(job, time.monotonic() + wait)
         with self._lock:  # errors are published no later than the request's finished_recving
             if not ok:
@@ -226,7 +234,7 @@ class TransferHandler(StorePath):
         return self._record(job)
 
     def _fetch(self, job: LoadJob, deadline: float) -> None:
-        job.fetch(self.store, deadline, self.config.load_timeout_s)
+        job.fetch(self.store, deadline)
 
     def _verify(self, job: LoadJob, sums: list[list[int | None]] | None) -> None:
         job.verify(self.store, sums)
