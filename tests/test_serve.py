@@ -618,7 +618,7 @@ def test_text_chat_and_token_prompts_are_scored_off_the_loop(served: Served) -> 
 #: subscriber polls, internal KV reads, task events of actor calls), and what the whole served
 #: app may make of them per request. Measured here (12 requests after a warm-up): 0, 0.08,
 #: 0.42 and 2.1 (task events go out once a second per process, so they follow the wall
-#: time); the bounds are about 3x that. The subscriber storm issue 17 found made ~5,000
+#: time); the bounds are about 3x that. The subscriber storm issue 17 found made ~2,000
 #: polls a request.
 GCS_PER_REQUEST = {
     "ActorInfoGcsService.GetNamedActorInfo": 0.25,
