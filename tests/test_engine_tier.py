@@ -157,6 +157,30 @@ def _until(cond: Any, what: str, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+def test_the_reporters_queue_is_bounded_and_ends_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events queued faster than they are sent (the reporter stuck) never pass the bound: the
+    queue is dropped for one "cleared" mark (the engine's entries emptied, then rebuilt from
+    what follows, never wrong); once the reporter thread has ended nothing is queued."""
+    pytest.importorskip("vllm")
+    from kvray.connector import engine
+
+    monkeypatch.setattr(engine, "MAX_PENDING_BLOCKS", 100)
+    rep = engine.EngineReporter("unused", 1, "node", key="stuck")  # its thread never starts
+    conv = _hashes(30, 11)
+    for i in range(10):  # 300 blocks stored, none sent
+        rep.observe(_events(stored=conv[i * 3 : i * 3 + 3] * 10))
+        assert rep._pending_blocks <= 100
+    late = _hashes(5, 12)
+    rep.observe(_events(stored=late))
+    added, removed = rep._replay()
+    # What is left: the cleared mark, then only the events after it (late's blocks among them).
+    assert set(added) >= set(engine_ids(late).tolist()) and not removed
+    assert rep._full and len(rep._held) < 30
+    rep._thread.on_exit()  # what the supervisor calls when the thread ends for good
+    rep.observe(_events(stored=_hashes(5, 13)))
+    assert rep._pending == [] and rep._pending_blocks == 0
+
+
 def _reporter(ns: str, key: str) -> Any:
     from kvray.connector.engine import EngineReporter
 

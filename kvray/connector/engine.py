@@ -13,6 +13,8 @@ into the set of held ids and sends each index shard its part of the net change, 
 time (in order), every few milliseconds, or an empty report (a heartbeat) every
 :data:`~kvray.meta.engine.REPORT_INTERVAL_S`. Anything refused or lost makes the next report a
 full one. On ``close`` the engine's entries are dropped at once; a killed engine's expire.
+The queue is bounded (:data:`MAX_PENDING_BLOCKS`): a reporter that falls that far behind
+clears this engine's entries and rebuilds them from later events, one that ended queues nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ __all__ = ["REPLICA_ENV", "EngineReporter"]
 MIN_GAP_S = 0.002
 #: Longest an engine-tier call may take before the report counts as lost.
 CALL_TIMEOUT_S = 5.0
+#: Most block hashes queued for the reporter. Past it (the reporter stuck or gone) the queue is
+#: dropped for one "cleared" mark: this engine's entries are emptied, not wrong, and events
+#: after it rebuild them. A reporter that ended for good queues nothing.
+MAX_PENDING_BLOCKS = 1 << 18
 
 _STORED, _REMOVED, _CLEARED = 1, 0, 2
 
@@ -64,6 +70,8 @@ class EngineReporter:
         self._usage: Callable[[], float] = lambda: 0.0
         self._lock = threading.Lock()
         self._pending: list[tuple[int, list[Any]]] = []
+        self._pending_blocks = 0
+        self._ended = False
         self._held: set[int] = set()
         self._full = True
         self._wake = threading.Event()
@@ -77,6 +85,7 @@ class EngineReporter:
             restarts=3,
             backoff_s=0.5,
             on_restart=lambda e: self._resend(),
+            on_exit=self._end,
         )
 
     # ------------------------------------------------------------ scheduler thread
@@ -109,10 +118,29 @@ class EngineReporter:
                 batch.append((op, ev.block_hashes))
             elif isinstance(ev, AllBlocksCleared):
                 batch.append((_CLEARED, []))
-        if batch:
-            with self._lock:
-                self._pending.extend(batch)
-            self._wake.set()
+        if not batch:
+            return
+        n = sum(len(h) for _, h in batch)
+        with self._lock:
+            if self._ended:
+                return
+            if self._pending_blocks + n > MAX_PENDING_BLOCKS:
+                if self._pending[:1] != [(_CLEARED, [])]:
+                    logger.warning(
+                        "kvray: the engine tier reporter fell %d blocks behind; this engine's "
+                        "entries are cleared and rebuilt from its next events",
+                        self._pending_blocks + n,
+                    )
+                self._pending, self._pending_blocks = [(_CLEARED, [])], 0
+            self._pending.extend(batch)
+            self._pending_blocks += n
+        self._wake.set()
+
+    def _end(self) -> None:
+        """The reporter thread ended (stopped, Ray gone, or died for good): queue nothing."""
+        with self._lock:
+            self._ended = True
+            self._pending, self._pending_blocks = [], 0
 
     # ------------------------------------------------------------ reporter thread
     def _resend(self) -> None:
@@ -131,7 +159,7 @@ class EngineReporter:
     def _replay(self) -> tuple[list[int], list[int]]:
         """Apply the queued events to the held set; the net (added, removed) ids."""
         with self._lock:
-            events, self._pending = self._pending, []
+            events, self._pending, self._pending_blocks = self._pending, [], 0
         held = self._held
         before: dict[int, bool] = {}
         for op, hashes in events:
