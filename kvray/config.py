@@ -200,8 +200,9 @@ class KVRayConfig:
     health_check_interval_s: float = 1.0
     #: Index shards (actors that each own a range of block ids); 0: one per 16 nodes at start.
     index_shards: int = 0
-    #: Connector: longest a load may hold up a step; blocks not loaded by then are reported
-    #: failed and recomputed (a load never stalls the forward pass for ``get_timeout_s``).
+    #: Connector: how long a load may hold up a step, plus its bytes at ``load_bytes_per_s``;
+    #: blocks not loaded by then are reported failed and recomputed (a load never stalls the
+    #: forward pass for ``get_timeout_s``).
     load_timeout_s: float = 0.5
     #: Connector: the slowest rate a load is given time for. Its deadline is
     #: ``load_timeout_s`` plus its bytes at this rate, so a large pull from another node's
