@@ -1,5 +1,5 @@
-"""Benchmark: prefill/decode disaggregation with kvray as the KV transport (``build_app(pd="1:1")``)
-against the collocated kvray app with the same replica count (2), under a mixed load from
+"""Benchmark: prefill/decode disaggregation with kvray as the KV transport (``build_app(pd="1:1")``,
+``--pd P:D``) against the collocated kvray app with the same replica count, under a mixed load from
 vLLM's ``bench serve`` (scripts/vllm_bench_serve.py): random prompts of mixed lengths (input
 length +- ``--range-ratio``) arriving as a Poisson stream while earlier requests stream their
 output, so long prefills land among decodes.
@@ -19,7 +19,7 @@ read from pools over the time of those gets, ``kvray_bytes_loaded`` /
 ``kvray_load_latency_s``), with what the target "handoff <= 50 ms + the load time of a
 prompt's bytes at that rate" comes to.
 
-    python scripts/bench_pd.py [--repeats 3] [--requests 16] [--rate 1.0]
+    python scripts/bench_pd.py [--repeats 3] [--requests 16] [--rate 1.0] [--pd 1:2]
 
 Last line: ``ratio pd_itl_p99_over_collocated=<x> handoff_ms_p50=<y>
 decode_computed_tokens_per_request=<z>`` (medians over repeats).
@@ -137,7 +137,12 @@ def main() -> None:
     ap.add_argument("--model", default="gqa", choices=sorted(MODELS))
     ap.add_argument("--bind", default=True, action=argparse.BooleanOptionalAction,
                     help="each simulated node's vLLM workers on a core of their own")  # fmt: skip
+    ap.add_argument("--pd", default="1:1", help="prefill:decode replicas (collocated: their sum)")
     a = ap.parse_args()
+    p_n, _, d_n = a.pd.partition(":")
+    if not (p_n.isdigit() and d_n.isdigit() and int(p_n) > 0 and int(d_n) > 0):
+        ap.error(f"--pd {a.pd!r}: expected P:D, e.g. 1:2")
+    a.replicas = int(p_n) + int(d_n)
     shape = MODELS[a.model]
     engine_args = bench_engine_args(shape, KV_TOKENS)
 
@@ -162,9 +167,9 @@ def main() -> None:
                     "num_cpus": 2, "ingress_options": {"ray_actor_options": {"num_cpus": 0}},
                 }  # fmt: skip
                 app = (
-                    build_app(model, pd="1:1", **common)
+                    build_app(model, pd=a.pd, **common)
                     if cfg == "pd"
-                    else build_app(model, replicas=2, **common)
+                    else build_app(model, replicas=a.replicas, **common)
                 )
                 t0 = time.perf_counter()
                 serve.run(app, name=APP, route_prefix="/")
@@ -199,7 +204,8 @@ def main() -> None:
     print(
         f"\nbench_pd: vLLM bench serve, random prompts {a.isl} +- {a.range_ratio:.0%} tokens, "
         f"output {a.osl}, {a.requests} requests at {a.rate}/s (Poisson), concurrency "
-        f"{a.concurrency}; 2 replicas (P/D 1:1 or collocated) on a simulated 2-node cluster, "
+        f"{a.concurrency}; {a.replicas} replicas (P/D {a.pd} or collocated) on a simulated "
+        "2-node cluster, "
         f"bind={a.bind}, model {a.model}, block {BLOCK_SIZE} tokens = "
         f"{BLOCK_SIZE * kv_bytes_per_token(shape) // 1024} KiB; medians of {a.repeats}"
     )

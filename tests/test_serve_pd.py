@@ -9,6 +9,7 @@ request on one replica."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -133,6 +134,65 @@ def test_the_handed_off_blocks_stay_in_kvray_for_later_requests(pd_app: Any) -> 
     finally:
         store.close()
     assert max(held.values()) == 6
+
+
+def test_a_prefill_replica_killed_mid_request_ends_it_cleanly(pd_app: Any) -> None:
+    """The prefill replica dies with a request inside its engine (frozen there first, so the
+    kill lands mid-request): the client gets a completed request with the collocated tokens or
+    a clear OpenAI error, well within its timeout, never a hang; Serve replaces the replica and
+    the app serves the same request right after."""
+    import os
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    import psutil
+    import ray
+
+    _, url = pd_app
+    (name,) = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP}#Prefill")
+    ]
+    replica = ray.get_actor(name, namespace="serve")
+    pid = ray.get(replica.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    engine = [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    assert engine, "the prefill replica runs no engine process"
+    prompt = _token_prompt(5 * BLOCK_SIZE + 3, seed=41)
+    client = _client(url)  # 120 s timeout: a hang shows as APITimeoutError
+    outcome: Any
+    for p in engine:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            sent = pool.submit(
+                client.completions.create, model=MODEL, prompt=prompt, max_tokens=4, temperature=0
+            )
+            time.sleep(2.0)  # the request reaches the frozen engine
+            assert not sent.done(), "the request finished while the prefill engine was frozen"
+            ray.kill(replica, no_restart=True)
+            try:
+                outcome = sent.result(timeout=150)
+            except openai.APITimeoutError:
+                pytest.fail("the request hung after its prefill replica died")
+            except openai.APIStatusError as e:
+                outcome = e
+            elapsed = time.monotonic() - t0
+    finally:
+        for p in engine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    _wait_running(APP, timeout=600)
+    ref = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    if isinstance(outcome, openai.APIStatusError):
+        assert outcome.status_code >= 500 and str(outcome), outcome
+    else:
+        assert outcome.choices[0].text == ref.choices[0].text
+    assert elapsed < 100, elapsed
+    print("killed prefill:", type(outcome).__name__, f"{elapsed:.1f} s", str(outcome)[:200])
 
 
 def test_backend_keeps_client_params_from_the_prefill(ray_cluster: Cluster) -> None:
