@@ -257,8 +257,9 @@ def start_cluster(a: argparse.Namespace) -> tuple[Any, list[str], int]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    node_args: dict[str, Any] = {  # replicas take 2 logical CPUs each
-        "num_cpus": max(2, getattr(a, "replicas", 2)), "object_store_memory": 512 << 20,
+    per_node = -(-getattr(a, "replicas", 2) // 2)  # replicas take 2 logical CPUs each
+    node_args: dict[str, Any] = {
+        "num_cpus": 2 * max(1, per_node), "object_store_memory": 512 << 20,
         "include_dashboard": False,
     }  # fmt: skip
     system = {"metrics_report_interval_ms": 1000}
