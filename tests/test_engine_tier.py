@@ -178,7 +178,7 @@ def test_the_reporters_queue_is_bounded_and_ends_with_it(monkeypatch: pytest.Mon
     assert rep._full and len(rep._held) < 30
     rep._thread.on_exit()  # what the supervisor calls when the thread ends for good
     rep.observe(_events(stored=_hashes(5, 13)))
-    assert rep._pending == [] and rep._pending_blocks == 0
+    assert rep._pending == [] and rep._pending_blocks == 0 and not rep._held
 
 
 def _reporter(ns: str, key: str) -> Any:

@@ -137,10 +137,12 @@ class EngineReporter:
         self._wake.set()
 
     def _end(self) -> None:
-        """The reporter thread ended (stopped, Ray gone, or died for good): queue nothing."""
+        """The reporter thread ended (stopped, Ray gone, or died for good): queue nothing,
+        hold nothing (the held set was the thread's alone)."""
         with self._lock:
             self._ended = True
             self._pending, self._pending_blocks = [], 0
+        self._held = set()
 
     # ------------------------------------------------------------ reporter thread
     def _resend(self) -> None:
