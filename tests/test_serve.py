@@ -629,9 +629,9 @@ GCS_PER_REQUEST = {
 
 
 def test_gcs_calls_per_request_stay_bounded(served: Served) -> None:
-    """Requests through the app (prompts stored, then loaded on the other replica) make no
-    GCS call per request or per step: kvray's handles are resolved once, its actors' methods
-    run without Ray task events, its threads do not poll the GCS."""
+    """Requests through the app (each prompt twice: stored, then served from a cache) make no
+    GCS call of their own: kvray's handles are resolved once and its threads do not poll the
+    GCS; Ray's task events stay at their once-a-second batches."""
     from ray_probe import gcs_rpc_snapshot, metrics_urls
 
     urls = metrics_urls()
