@@ -216,6 +216,7 @@ def monitor(
 ) -> None:
     """Run Prometheus on the config Ray writes for its session, until Ctrl-C."""
     import signal
+    import threading
 
     from kvray import monitor as monitor_mod
     from kvray.actors.join import ensure_ray
@@ -224,9 +225,12 @@ def monitor(
         _fail(f"invalid --scrape-interval {scrape_interval!r}: expected 0.1 to 3600 seconds")
     _run(ensure_ray, address)
 
-    def _interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+    stop = threading.Event()
 
+    def _interrupt(signum: int, frame: Any) -> None:
+        stop.set()  # not an exception: one raised inside a Ray call in flight can be lost
+
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops Prometheus too, as Ctrl-C does
     rc = _run(
         monitor_mod.run,
@@ -236,6 +240,7 @@ def monitor(
         scrape_interval_s=scrape_interval,
         data_dir=data_dir,
         prometheus=prometheus,
+        stop=stop,
     )
     if rc:
         raise typer.Exit(rc)

@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -292,9 +293,11 @@ def run(
     data_dir: str | None = None,
     prometheus: str | None = None,
     refresh_s: float = 10.0,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Run Prometheus for the connected cluster until Ctrl-C (KeyboardInterrupt) or until it
-    exits; returns the exit status for the command (0 after Ctrl-C)."""
+    """Run Prometheus for the connected cluster until Ctrl-C (KeyboardInterrupt), ``stop`` is
+    set (the CLI's signal handlers set it: an exception raised into a Ray call in flight can be
+    lost there) or Prometheus exits; returns the exit status for the command (0 when stopped)."""
     import ray
 
     if refresh_s <= 0:
@@ -314,7 +317,11 @@ def run(
             _report(say, prom, keep)
             next_refresh = time.monotonic() + refresh_s
             while prom.exit_code() is None:
-                time.sleep(0.5)
+                if stop is not None and stop.wait(0.5):
+                    say("stopping Prometheus")
+                    return 0
+                if stop is None:
+                    time.sleep(0.5)
                 if setup.owns_targets and time.monotonic() >= next_refresh:
                     write_targets(setup.targets, node_targets(ray.nodes()))
                     next_refresh = time.monotonic() + refresh_s
