@@ -316,12 +316,11 @@ def run(
         try:
             _report(say, prom, keep)
             next_refresh = time.monotonic() + refresh_s
+            stopping = stop or threading.Event()  # none given: Ctrl-C's KeyboardInterrupt
             while prom.exit_code() is None:
-                if stop is not None and stop.wait(0.5):
+                if stopping.wait(0.5):
                     say("stopping Prometheus")
                     return 0
-                if stop is None:
-                    time.sleep(0.5)
                 if setup.owns_targets and time.monotonic() >= next_refresh:
                     write_targets(setup.targets, node_targets(ray.nodes()))
                     next_refresh = time.monotonic() + refresh_s

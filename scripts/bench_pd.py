@@ -139,10 +139,13 @@ def main() -> None:
                     help="each simulated node's vLLM workers on a core of their own")  # fmt: skip
     ap.add_argument("--pd", default="1:1", help="prefill:decode replicas (collocated: their sum)")
     a = ap.parse_args()
-    p_n, _, d_n = a.pd.partition(":")
-    if not (p_n.isdigit() and d_n.isdigit() and int(p_n) > 0 and int(d_n) > 0):
-        ap.error(f"--pd {a.pd!r}: expected P:D, e.g. 1:2")
-    a.replicas = int(p_n) + int(d_n)
+    from kvray.config import ConfigError
+    from kvray.serving.pd import parse_pd
+
+    try:
+        a.replicas = sum(parse_pd(a.pd))
+    except ConfigError as e:
+        ap.error(str(e))
     shape = MODELS[a.model]
     engine_args = bench_engine_args(shape, KV_TOKENS)
 

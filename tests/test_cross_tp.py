@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from vllm_helpers import finish_delayed_frees, in_process_engines
+from vllm_helpers import finish_delayed_frees, full_hit_tokens, in_process_engines
 
 from kvray.connector.paged import PagedCopier
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
@@ -286,12 +286,6 @@ def _prompts(seed: int) -> list[list[int]]:
     return make_prompts(2, PREFIX_TOKENS, SUFFIX_TOKENS, seed=seed)
 
 
-def _full_hit(prompt: list[int]) -> int:
-    from vllm_helpers import full_hit_tokens
-
-    return full_hit_tokens(prompt)
-
-
 def _hashes(prompt: list[int], salt: str | None = None) -> list[str]:
     """vLLM's block hashes of a prompt (hex), as every engine computes them."""
     from vllm import SamplingParams
@@ -309,7 +303,7 @@ def _hashes(prompt: list[int], salt: str | None = None) -> list[str]:
         cache_salt=salt,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
-    return [bytes(h).hex() for h in req.block_hashes[: _full_hit(prompt) // BLOCK_SIZE]]
+    return [bytes(h).hex() for h in req.block_hashes[: full_hit_tokens(prompt) // BLOCK_SIZE]]
 
 
 def _kv(data: bytes) -> np.ndarray:
@@ -424,10 +418,10 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
             tp=2,
         )
         loaded, own, b2 = b["steps"]
-        assert loaded["cached"] == [_full_hit(p) for p in p1]
+        assert loaded["cached"] == [full_hit_tokens(p) for p in p1]
         assert own["cached"][0] == 0  # (the second prompt shares the first in vLLM's cache)
         assert loaded["tokens"] == own["tokens"] == a1["tokens"]
-        assert b["cross_tp_hit_tokens"] >= _full_hit(p1[0]) and b["failed_blocks"] == 0
+        assert b["cross_tp_hit_tokens"] >= full_hit_tokens(p1[0]) and b["failed_blocks"] == 0
         r0, r1 = (r["recorded"] for r in b["ranks"])
         assert [r["heads"] for r in b["ranks"]] == [[0, 1], [1, 2]]
         assert all(r["writes"] for r in b["ranks"])
@@ -444,8 +438,8 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
         finish_delayed_frees(a.llm)
         assert a.llm.reset_prefix_cache()
         a2 = a.generate(p2)
-        assert a2["cached"][0] == _full_hit(p2[0])
-        assert a.scheduler.cross_tp_hit_tokens - before >= _full_hit(p2[0])
+        assert a2["cached"][0] == full_hit_tokens(p2[0])
+        assert a.scheduler.cross_tp_hit_tokens - before >= full_hit_tokens(p2[0])
         assert a2["tokens"] == b2["tokens"] == a.generate(p2, salt="a")["tokens"]
         assert a.worker.counters().failed_blocks == 0
         for prompt in p2:
@@ -475,9 +469,9 @@ def test_fewer_kv_heads_than_ranks_store_once_read_by_all(
             tp=2,
         )
         loaded, own, b4 = b["steps"]
-        assert loaded["cached"] == [_full_hit(p) for p in p3]
+        assert loaded["cached"] == [full_hit_tokens(p) for p in p3]
         assert loaded["tokens"] == own["tokens"] == a3["tokens"]
-        assert b["hit_tokens"] >= _full_hit(p3[0]) and b["failed_blocks"] == 0
+        assert b["hit_tokens"] >= full_hit_tokens(p3[0]) and b["failed_blocks"] == 0
         ranks = b["ranks"]
         assert [r["heads"] for r in ranks] == [[0, 1], [0, 1]]
         assert [r["writes"] for r in ranks] == [True, False]
@@ -501,7 +495,7 @@ def test_fewer_kv_heads_than_ranks_store_once_read_by_all(
         finish_delayed_frees(a.llm)
         assert a.llm.reset_prefix_cache()
         a4 = a.generate(p4)
-        assert a4["cached"][0] == _full_hit(p4[0])
+        assert a4["cached"][0] == full_hit_tokens(p4[0])
         assert a4["tokens"] == b4["tokens"]
         assert a.worker.counters().failed_blocks == 0
     finally:

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from vllm_helpers import block_hashes, finish_delayed_frees
+from vllm_helpers import block_hashes, finish_delayed_frees, full_hit_blocks, full_hit_tokens
 
 import kvray
 from kvray.actors.leases import Leases
@@ -611,16 +611,9 @@ def _counters(llm: Any) -> Any:
     return _sched(llm).counters.add(_worker(llm).counters())
 
 
-def _hit_blocks(prompt: list[int]) -> int:
-    """Blocks a complete kvray hit of ``prompt`` loads."""
-    from vllm_helpers import full_hit_blocks
-
-    return full_hit_blocks(prompt)
-
-
 def _present(llm: Any, prompt: list[int]) -> int:
     """Leading blocks of ``prompt`` the engine's scheduler sees in kvray (its own view)."""
-    return int(_sched(llm).manager.lookup(block_hashes(prompt)[: _hit_blocks(prompt)]))
+    return int(_sched(llm).manager.lookup(block_hashes(prompt)[: full_hit_blocks(prompt)]))
 
 
 def _cold(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
@@ -636,7 +629,7 @@ def _cold(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[
     assert sched.hit_tokens == hits and _counters(llm).loaded_blocks == loaded
     _settle(llm)
     for p in prompts:
-        _wait_for(lambda p=p: _present(llm, p) == _hit_blocks(p), 30, "the saves to be visible")
+        _wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "the saves to be visible")
     return tokens
 
 
@@ -750,7 +743,7 @@ def test_index_restart_while_an_engine_serves(engines: Engines) -> None:
     """Item 4 with an engine: the index shard crashes while requests run; they finish with
     the tokens of a recompute, the restarted shard rebuilds from the pools (the scheduler's
     lookups hit again and load), and the engine's saves land right after the restart."""
-    from vllm_helpers import BLOCK_SIZE, cached_tokens
+    from vllm_helpers import cached_tokens
 
     llm = engines("sync")
     prompts = _prompts(2, 200, 40)
@@ -770,12 +763,12 @@ def test_index_restart_while_an_engine_serves(engines: Engines) -> None:
         assert _cold(llm, fresh)  # waits until its blocks are visible
         assert _counters(llm).refused_blocks == refused
     for p in prompts:  # the rebuilt index lists the blocks stored before the crash
-        _wait_for(lambda p=p: _present(llm, p) == _hit_blocks(p), 30, "lookups to come back")
+        _wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "lookups to come back")
     with _Delta(llm) as after:
         tokens, outs = _warm(llm, prompts)
     assert tokens == ref
-    assert cached_tokens(outs)[0] == _hit_blocks(prompts[0]) * BLOCK_SIZE
-    assert after.failed == 0 and after.loaded >= _hit_blocks(prompts[0])
+    assert cached_tokens(outs)[0] == full_hit_tokens(prompts[0])
+    assert after.failed == 0 and after.loaded >= full_hit_blocks(prompts[0])
 
 
 @pytest.mark.vllm
@@ -787,7 +780,7 @@ def test_a_scheduler_view_of_a_dead_index_is_cleared_and_reconnects(
     good. The scheduler's view is cleared at once (no hit nobody vouches for), requests are
     computed, the store stays open; once kvray is started again the view reconnects by name,
     says so in the log, and the engine loads from kvray again."""
-    from vllm_helpers import BLOCK_SIZE, cached_tokens
+    from vllm_helpers import cached_tokens
 
     caplog.set_level(logging.INFO, logger="kvray.feed")
     llm = engines("sync")
@@ -809,13 +802,13 @@ def test_a_scheduler_view_of_a_dead_index_is_cleared_and_reconnects(
 
     kvray.start(namespace=ns, **START_ARGS)
     for p in prompts:
-        _wait_for(lambda p=p: _present(llm, p) == _hit_blocks(p), 30, "the view to come back")
+        _wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "the view to come back")
     assert any("answers again" in r.getMessage() for r in caplog.records)
     assert _sched(llm).store is store and not store.closed
     with _Delta(llm) as back:
         tokens, outs = _warm(llm, prompts)
     assert tokens == ref and back.failed == 0
-    assert cached_tokens(outs)[0] == _hit_blocks(prompts[0]) * BLOCK_SIZE
+    assert cached_tokens(outs)[0] == full_hit_tokens(prompts[0])
 
 
 @pytest.mark.vllm
@@ -826,7 +819,7 @@ def test_corrupt_bytes_are_recomputed_and_never_served_again(engines: Engines) -
     those bytes are never handed out again."""
     llm = engines("sync")
     (prompt,) = prompts = _prompts(1, 230, 20)
-    n = _hit_blocks(prompt)
+    n = full_hit_blocks(prompt)
     ref = _cold(llm, prompts)
     keys = _sched(llm).key_space.block_keys(block_hashes(prompt)[:n])
     pool = _head_pool(engines.ns)
@@ -861,7 +854,9 @@ def test_node_removed_mid_load(engines: Engines, ray_cluster: Cluster) -> None:
     try:
         ray_cluster.wait_for_nodes()
         _wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
-        hashes = list(dict.fromkeys(h for p in prompts for h in block_hashes(p)[: _hit_blocks(p)]))
+        hashes = list(
+            dict.fromkeys(h for p in prompts for h in block_hashes(p)[: full_hit_blocks(p)])
+        )
         keys = _sched(llm).key_space.block_keys(hashes)
         ids = key_ids(keys)
         arrays = store.get(keys)
@@ -960,14 +955,14 @@ def _load_failures(engines: Engines, mode: str) -> None:
         finally:
             delattr(target, name)
         assert tokens == ref, name
-        assert d.planned == _hit_blocks(prompts[0]) and d.failed == d.planned, (name, d)
+        assert d.planned == full_hit_blocks(prompts[0]) and d.failed == d.planned, (name, d)
         assert d.loaded == 0, name
     # The engine serves on and loads again.
     prompts = _prompts(1, 230, 20)
     ref = _cold(llm, prompts)
     with _Delta(llm) as d:
         tokens, _ = _warm(llm, prompts)
-    assert tokens == ref and d.loaded == _hit_blocks(prompts[0]) and d.failed == 0
+    assert tokens == ref and d.loaded == full_hit_blocks(prompts[0]) and d.failed == 0
 
 
 @pytest.mark.vllm
@@ -995,13 +990,15 @@ def test_a_save_larger_than_staging_is_stored_in_pieces(engines: Engines) -> Non
     c1 = _counters(llm)
     assert c1.stored_blocks - c0.stored_blocks == full, (c0, c1)
     assert c1.dropped_blocks == c0.dropped_blocks and c1.refused_blocks == c0.refused_blocks
-    _wait_for(lambda: _present(llm, prompt) == _hit_blocks(prompt), 10, "the blocks in the view")
+    _wait_for(
+        lambda: _present(llm, prompt) == full_hit_blocks(prompt), 10, "the blocks in the view"
+    )
     second = engines("layerwise")
     with _Delta(second) as d:
         tokens, outs = _warm(second, prompts, max_tokens=1)
     assert tokens == ref
-    assert cached_tokens(outs) == [_hit_blocks(prompt) * BLOCK_SIZE]
-    assert d.loaded == _hit_blocks(prompt) and d.failed == 0
+    assert cached_tokens(outs) == [full_hit_tokens(prompt)]
+    assert d.loaded == full_hit_blocks(prompt) and d.failed == 0
 
 
 @pytest.mark.vllm
@@ -1033,7 +1030,7 @@ def test_a_prompt_that_fills_its_last_block_recomputes_one_token(engines: Engine
             tokens, outs = _warm(llm, prompts)
         assert tokens == ref, mode
         assert cached_tokens(outs) == [len(prompt) - 1], mode
-        assert d.loaded == len(prompt) // BLOCK_SIZE and d.failed == 0, (mode, d)
+        assert d.loaded == full_hit_blocks(prompt) and d.failed == 0, (mode, d)
 
 
 @pytest.mark.vllm
@@ -1047,7 +1044,7 @@ def test_a_load_gets_time_for_its_bytes(engines: Engines) -> None:
     llm = engines("sync")
     handler = _worker(llm).handler
     (prompt,) = prompts = _prompts(1, 700, 20)
-    blocks = _hit_blocks(prompt)
+    blocks = full_hit_blocks(prompt)
     stall_s = LOAD_TIMEOUT_S + 0.5
     slow = handler.config.replace(load_bytes_per_s=1 << 20)
     assert blocks * handler.block_nbytes / slow.load_bytes_per_s > stall_s  # the bytes' time
