@@ -111,6 +111,19 @@ def _kernel(width: int) -> Any:
     return cupy.RawKernel(src, name)
 
 
+def _cupy_stream(cupy: Any, stream: torch.cuda.Stream, device_index: int) -> Any:
+    """CuPy's view of a torch CUDA stream, to launch on it.
+
+    CuPy 14 deprecates ``ExternalStream`` for ``Stream.from_external`` (the CUDA stream protocol,
+    ``__cuda_stream__``, which torch's streams implement in recent releases); CuPy 13 has only
+    ``ExternalStream``. Either way the stream stays torch's: CuPy does not own or destroy it.
+    """
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device_index)
+
+
 def launch_config(n_tasks: int, chunk_words: int) -> tuple[int, int]:
     """(grid, threads): one thread block per work item up to a cap (the kernel grid-strides),
     and at most 256 threads, fewer (whole warps) for small chunks."""
@@ -191,5 +204,5 @@ class CupyMover:
         )
         kernel = _kernel(width)
         device_index = self.device.index if self.device.index is not None else 0
-        with cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        with cupy.cuda.Device(device_index), _cupy_stream(cupy, stream, device_index):
             kernel((grid,), (threads,), args)
