@@ -2,8 +2,10 @@
 
 1. Routing overhead: for a 4,096-token token-id prompt and 16 replicas, the router's whole
    lookup (vLLM's block hashes, kvray keys, the view's CPU tiers per node, the engine tier per
-   replica) plus the score of 16 candidates, called from an asyncio loop through the router's
-   own lookup thread (:class:`~kvray.serving.view.LookupLoop`), as Serve's loop would.
+   replica) plus the score of 16 candidates and its memory of what it routed where (every
+   replica holding the whole prompt there: its slowest case), called from an asyncio loop
+   through the router's own lookup thread (:class:`~kvray.serving.view.LookupLoop`), as
+   Serve's loop would.
    Engines: 16 reporters, each holding ``--engine-blocks`` blocks plus part of the prompt.
 2. Lag: an engine reports a new block (vLLM's ``BlockStored`` handed to the reporter, as the
    scheduler does every step) -> the block shows in this process's view (after the index
@@ -47,6 +49,7 @@ def main() -> None:
     from kvray.connector.engine import EngineReporter
     from kvray.meta.ids import engine_ids
     from kvray.registry import KeySpaceInfo
+    from kvray.serving.inflight import InFlight
     from kvray.serving.prompts import BlockHasher
     from kvray.serving.score import Candidate, Weights, pick
     from kvray.serving.view import LookupLoop, PromptTiers
@@ -89,6 +92,7 @@ def main() -> None:
     loop_thread = LookupLoop("bench")
     w = Weights()
     names = [f"replica-{r}" for r in range(args.replicas)]
+    inflight = InFlight(ttl_s=3600.0)
 
     async def lookup() -> PromptTiers:
         return PromptTiers.of(store, hasher, tokens, None)
@@ -96,16 +100,21 @@ def main() -> None:
     async def route() -> float:
         t0 = time.perf_counter()
         tiers = await loop_thread.run(lookup())
+        # As KVRayRouter.choose_replicas does on Serve's loop: what it sent where lately (the
+        # same prompt every time: every replica soon holds all of it, the slowest case).
+        now = time.monotonic()
+        routed = inflight.prefix(tiers.ids, now)
         cands = [
             Candidate(
-                engine=tiers.engine.get(k, (0, 0.0))[0],
+                engine=max(tiers.engine.get(k, (0, 0.0))[0], routed.get(k, 0)),
                 node_pool=tiers.by_node.get(node, 0),
                 anywhere=tiers.anywhere,
                 queue=rng.random() * 4,
             )
             for k in names
         ]
-        pick(names, tiers.total, cands, w)
+        order, _ = pick(names, tiers.total, cands, w)
+        inflight.note(order[0], tiers.ids, now)
         return (time.perf_counter() - t0) * 1e3
 
     async def bench() -> list[float]:

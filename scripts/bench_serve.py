@@ -134,6 +134,20 @@ _SOURCES = re.compile(
 )
 
 
+_PREEMPTIONS = re.compile(r"^ray_vllm[:_]num_preemptions(?:_total)?\{[^}]*\}\s+(\S+)")
+
+
+def preemptions(urls: list[str]) -> int:
+    """vLLM's preemptions (a request's blocks taken back to make room; it prefills again),
+    summed over every replica."""
+    total = 0.0
+    for line in metrics_lines(urls):
+        m = _PREEMPTIONS.match(line)
+        if m is not None:
+            total += float(m.group(1))
+    return int(total)
+
+
 def prompt_token_sources(urls: list[str]) -> Counter[str]:
     """vLLM's ``prompt_tokens_by_source`` summed over every replica (Ray Serve LLM exports
     engine metrics at each node's Ray metrics endpoint): ``local_compute`` (prefilled),
@@ -200,6 +214,7 @@ def _run_one(
     )
     gcs0 = gcs_rpc_snapshot(urls)
     src0 = prompt_token_sources(urls)
+    pre0 = preemptions(urls)
     cpu0 = cpu_by_process()
     t0 = time.perf_counter()
     loaded = _load(cmd, out)
@@ -207,6 +222,7 @@ def _run_one(
     cpu1 = cpu_by_process(exclude={loaded["pid"]})
     gcs1 = gcs_rpc_snapshot(urls)
     src = prompt_token_sources(urls) - src0
+    preempted = preemptions(urls) - pre0
     row = _figures(kind, loaded["result"])
     n = row["requests"]
     total = sum(src.values())
@@ -214,6 +230,7 @@ def _run_one(
         row["computed_per_req"] = src["local_compute"] / n
         row["engine_hit"] = src["local_cache_hit"] / total
         row["kvray_tokens_per_req"] = src["external_kv_transfer"] / n
+    row["preemptions_per_req"] = preempted / n
     cpu = cpu_delta(cpu0, cpu1)
     rpcs = gcs1 - gcs0
     return {
@@ -323,12 +340,13 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
         print(f"{role:<18}" + "".join(f"{v:>24.4f}" for v in vals))
     print("\nPrompt tokens by source (vLLM's prompt_tokens_by_source, medians)")
     print(f"{'config':<13} {'workload':<10} {'computed/req':>12} {'engine hit':>10} "
-          f"{'kvray tok/req':>13}")  # fmt: skip
+          f"{'kvray tok/req':>13} {'preempt/req':>11}")  # fmt: skip
     for (cfg, wl), rows in results.items():
         if rows and all("computed_per_req" in r for r in rows):
             print(
                 f"{cfg:<13} {wl:<10} {_med(rows, 'computed_per_req'):>12.0f} "
                 f"{_med(rows, 'engine_hit'):>10.1%} {_med(rows, 'kvray_tokens_per_req'):>13.0f}"
+                f" {_med(rows, 'preemptions_per_req'):>11.2f}"
             )
         else:
             print(f"{cfg:<13} {wl:<10} {'n/a (vLLM metrics not exported)':>37}")
@@ -383,11 +401,14 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
                     help="one more config: BASE (a kvray config) with these connector settings "
                     'on top of --kvray-config, e.g. put1=kvray-pow2:{"decode_store_blocks":1}; '
+                    'the key "router_kwargs" goes to the router instead, e.g. '
+                    'q25=kvray:{"router_kwargs":{"weights":{"queue":0.25}}}; '
                     "list NAME in --configs too")  # fmt: skip
     a = ap.parse_args()
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.sessions = a.sessions or (6 if a.quick else 12)
     overrides: dict[str, dict[str, Any]] = {}
+    router_overrides: dict[str, dict[str, Any]] = {}
     for v in a.variant:
         name, _, rest = v.partition("=")
         base, _, js = rest.partition(":")
@@ -395,6 +416,8 @@ def main() -> None:
             ap.error(f"--variant {v!r}: expected NAME=BASE:JSON with BASE a kvray config")
         CONFIGS[name] = CONFIGS[base]
         overrides[name] = json.loads(js or "{}")
+        if "router_kwargs" in overrides[name]:
+            router_overrides[name] = overrides[name].pop("router_kwargs")
     configs = [c for c in a.configs.split(",") if c]
     for c in configs:
         if c not in CONFIGS:
@@ -436,6 +459,7 @@ def main() -> None:
                     engine_args=engine_args, router=router, kv_cache=kv_cache, num_cpus=2,
                     kvray_config={**json.loads(a.kvray_config), **overrides.get(cfg, {})}
                     if kv_cache == "kvray" else None,
+                    router_kwargs=router_overrides.get(cfg),
                     ingress_options={"ray_actor_options": {"num_cpus": 0}},
                 )  # fmt: skip
                 t0 = time.perf_counter()

@@ -106,7 +106,7 @@ def test_score_prefers_engine_then_node_then_remote_and_yields_to_load() -> None
     ]
     order, reason = pick(reps, n, cands, w)
     assert order == reps and reason == "engine"
-    # The holder's queue grows: two more than the same-node replica and it loses the prompt.
+    # The holder's queue grows: three more than the same-node replica and it loses the prompt.
     busy = [Candidate(10, 10, 10, queue=3), Candidate(0, 10, 10, queue=0), cands[2]]
     order, reason = pick(reps, n, busy, w)
     assert order[0] == "same-node" and reason == "balanced"

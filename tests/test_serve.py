@@ -34,6 +34,7 @@ from vllm_helpers import BLOCK_SIZE, build_text_model
 
 import kvray
 from kvray.registry import KeySpaceInfo, clear_key_spaces, key_spaces, publish_key_space
+from kvray.serving.inflight import TTL_S as INFLIGHT_TTL_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -233,8 +234,11 @@ def test_a_bad_request_gets_vllms_error_not_a_hang(served: Served) -> None:
 def test_prefix_computed_on_one_replica_is_loaded_from_kvray_by_the_other(
     served: Served,
 ) -> None:
-    """Both requests are placed before any block is in kvray (the router sees no prefix), on
-    two different replicas; the second runs only once kvray holds the first's blocks."""
+    """Both requests are placed before any block is in kvray, on two different replicas (the
+    router sends the second where it sent the first until that replica's queue is long, here
+    of held selections); the second runs only once kvray holds the first's blocks."""
+    from contextlib import AsyncExitStack
+
     prefix = _token_prompt(6 * BLOCK_SIZE, seed=11)
     first = prefix + _token_prompt(20, seed=12)
     second = prefix + _token_prompt(20, seed=13)
@@ -244,17 +248,18 @@ def test_prefix_computed_on_one_replica_is_loaded_from_kvray_by_the_other(
         async def scenario() -> tuple[str, str, Any, Any]:
             h = served.handle
             req1, req2 = _completion(first, max_tokens=4), _completion(second, max_tokens=4)
-            async with h.choose_replica(req1, None) as sel1:
-                for _ in range(20):
-                    async with h.choose_replica(req2, None) as sel2:
-                        if sel2.replica_id == sel1.replica_id:
-                            continue
-                        out1 = await _collect(h.dispatch(sel1, req1, None))
-                        hits0 = store.stats()["totals"]["hits"]
-                        await asyncio.to_thread(_wait_held, store, served.namespace, first, 6)
-                        out2 = await _collect(h.dispatch(sel2, req2, None))
-                        hits = store.stats()["totals"]["hits"] - hits0
-                        return sel1.replica_id, sel2.replica_id, (out1, out2), hits
+            async with AsyncExitStack() as stack:
+                sel1 = await stack.enter_async_context(h.choose_replica(req1, None))
+                for _ in range(12):
+                    sel2 = await stack.enter_async_context(h.choose_replica(req2, None))
+                    if sel2.replica_id == sel1.replica_id:
+                        continue
+                    out1 = await _collect(h.dispatch(sel1, req1, None))
+                    hits0 = store.stats()["totals"]["hits"]
+                    await asyncio.to_thread(_wait_held, store, served.namespace, first, 6)
+                    out2 = await _collect(h.dispatch(sel2, req2, None))
+                    hits = store.stats()["totals"]["hits"] - hits0
+                    return sel1.replica_id, sel2.replica_id, (out1, out2), hits
             raise AssertionError("the router never offered the second replica")
 
         r1, r2, (out1, out2), hits = served.run(scenario())
@@ -525,8 +530,9 @@ def _picks(served: Served, prompt: list[int], n: int) -> list[str]:
 def test_next_turn_follows_the_engine_cache_then_load_then_eviction(served: Served) -> None:
     """Turn 2 goes where turn 1's blocks sit in the engine; with that replica's queue long it
     goes elsewhere and the prefix loads from kvray (hits counted); once the engines evict it
-    (other prompts fill their caches: vLLM's BlockRemoved events) the router stops preferring
-    the first replica."""
+    (other prompts fill their caches: vLLM's BlockRemoved events) and the router's memory of
+    where it sent turn 2 has expired, turn 2 goes where kvray holds the prefix (its node's
+    pool), as a prompt no engine holds."""
     ns = served.namespace
     turn1 = _token_prompt(6 * BLOCK_SIZE + 5, seed=3000)
     turn2 = turn1 + _token_prompt(2 * BLOCK_SIZE, seed=3001)
@@ -539,23 +545,23 @@ def test_next_turn_follows_the_engine_cache_then_load_then_eviction(served: Serv
         assert _picks(served, turn2, 6) == [holder] * 6
         _wait_held(store, ns, turn1, 6)  # the holder's connector saved turn 1 to kvray
 
-        async def long_queue(dispatch: bool) -> tuple[int, str, Any, int]:
-            """Requests held on the holder until one goes elsewhere (how many it took)."""
+        async def long_queue() -> tuple[str, Any, int]:
+            """Requests held on the holder until one goes elsewhere: that one's replica, its
+            response and the kvray hits it made."""
             from contextlib import AsyncExitStack
 
             async with AsyncExitStack() as stack:
-                for i in range(12):
+                for _ in range(12):
                     req = _completion(turn2, max_tokens=2)
                     sel = await stack.enter_async_context(served.handle.choose_replica(req, None))
                     if _uid(sel) != holder:
-                        if not dispatch:
-                            return i, _uid(sel), None, 0
                         hits0 = store.stats()["totals"]["hits"]
                         out = await _collect(served.handle.dispatch(sel, req, None))
-                        return i, _uid(sel), out, store.stats()["totals"]["hits"] - hits0
+                        return _uid(sel), out, store.stats()["totals"]["hits"] - hits0
             raise AssertionError("the holder's queue never sent the turn elsewhere")
 
-        held_before, other, out, hits = served.run(long_queue(True))
+        other, out, hits = served.run(long_queue())
+        routed_at = time.monotonic()
         assert other != holder
         assert out.usage.prompt_tokens_details.cached_tokens >= 6 * BLOCK_SIZE
         assert hits >= 6  # loaded from kvray, not recomputed
@@ -569,12 +575,46 @@ def test_next_turn_follows_the_engine_cache_then_load_then_eviction(served: Serv
             client.completions.create(
                 model=MODEL, prompt=_token_prompt(1500, seed=4000 + i), max_tokens=1
             )
-        # The holder keeps kvray's copy on its node (0.8, not 1.0): it is still first for an
-        # idle cluster, but yields to a shorter queue sooner than while its engine held it.
-        held_after, *_ = served.run(long_queue(False))
-        assert held_after < held_before, (held_after, held_before)
+        # The router counts turn 2 as in the holder's engine for INFLIGHT_TTL_S after it last
+        # sent it there (a queued request shares the prefix the one before computes).
+        time.sleep(max(0.0, routed_at + INFLIGHT_TTL_S - time.monotonic()))
+        held = _wait_held(store, ns, turn1, 6)
+        on_pool_node = {
+            str(getattr(rid, "unique_id", rid))
+            for rid, node in _replica_nodes(served).items()
+            if held.get(node, 0) >= 6
+        }
+        assert _picks(served, turn2, 1)[0] in on_pool_node, (held, holder)
     finally:
         store.close()
+
+
+def test_a_burst_sharing_a_cold_prefix_goes_to_one_replica_and_computes_it_once(
+    served: Served,
+) -> None:
+    """Three prompts sharing 6 blocks that no cache holds, routed back to back before any is
+    scheduled: the router remembers where it sent the first, the others follow it (its queue
+    is short), and that engine computes the shared prefix once (vLLM counts it as cached for
+    the other two)."""
+    from contextlib import AsyncExitStack
+
+    prefix = _token_prompt(6 * BLOCK_SIZE, seed=3200)
+    prompts = [prefix + _token_prompt(BLOCK_SIZE + 5, seed=3201 + i) for i in range(3)]
+
+    async def burst() -> tuple[list[str], list[Any]]:
+        async with AsyncExitStack() as stack:
+            reqs = [_completion(p, max_tokens=1) for p in prompts]
+            sels = [
+                await stack.enter_async_context(served.handle.choose_replica(r, None)) for r in reqs
+            ]
+            calls = [served.handle.dispatch(s, r, None) for s, r in zip(sels, reqs, strict=True)]
+            outs = await asyncio.gather(*(_collect(c) for c in calls))
+            return [_uid(s) for s in sels], list(outs)
+
+    uids, outs = served.run(burst())
+    assert len(set(uids)) == 1, uids
+    cached = sorted(o.usage.prompt_tokens_details.cached_tokens or 0 for o in outs)
+    assert cached[0] == 0 and cached[1] >= 6 * BLOCK_SIZE, cached
 
 
 def test_text_chat_and_token_prompts_are_scored_off_the_loop(served: Served) -> None:

@@ -17,15 +17,18 @@ event loop, never on Serve's. Decisions are counted by reason (metric
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvray.config import check_namespace
+from kvray.config import ConfigError, check_namespace
+from kvray.serving.inflight import TTL_S, InFlight
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of
 from kvray.serving.score import Candidate, Weights, pick
 from kvray.serving.tokenize import EngineTokenizer
@@ -57,13 +60,23 @@ class KVRayRouter(RequestRouter):
         namespace: str = "default",
         engine_kwargs: dict[str, Any] | None = None,
         weights: Mapping[str, float] | None = None,
+        inflight_s: float = TTL_S,
     ) -> None:
         """``engine_kwargs``: the engine's arguments (``model`` included) for the pre-routing
         tokenizer of text and chat prompts; without them only token-id prompts are scored.
-        ``weights``: the score's weights by name (:class:`~kvray.serving.score.Weights`)."""
+        ``weights``: the score's weights by name (:class:`~kvray.serving.score.Weights`).
+        ``inflight_s``: how long a routed prompt's blocks count as in its replica's engine
+        before the engine tier reports them (:mod:`kvray.serving.inflight`; 0: never)."""
         check_namespace(namespace)
         self._namespace = namespace
         self._weights = Weights.of(weights)
+        if (
+            isinstance(inflight_s, bool)
+            or not isinstance(inflight_s, int | float)
+            or not (0 <= inflight_s < float("inf"))
+        ):
+            raise ConfigError("inflight_s", inflight_s, "expected a finite number >= 0")
+        self._inflight = InFlight(float(inflight_s))
         self._engine_kwargs = engine_kwargs
         self._tokenizer: TokenizerLike | None = None
         self._store: Any = None
@@ -136,16 +149,23 @@ class KVRayRouter(RequestRouter):
             self._count(tiers if isinstance(tiers, str) else "no_prompt")
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         queues = await self._queue_lens(candidate_replicas)
+        # No await from here to note(): requests routed concurrently see each other's choice.
+        now = time.monotonic()
+        routed = self._inflight.prefix(tiers.ids, now)
+        if routed:
+            tiers = dataclasses.replace(tiers, routed=routed)
         cands = [self._candidate(r, tiers, queues[r.replica_id]) for r in candidate_replicas]
         ranked, reason = pick(candidate_replicas, tiers.total, cands, self._weights)
+        self._inflight.note(ranked[0].replica_id.unique_id, tiers.ids, now)
         self._count(reason)
         return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
 
     @staticmethod
     def _candidate(r: RunningReplica, tiers: PromptTiers, queue: float) -> Candidate:
-        engine, usage = tiers.engine.get(r.replica_id.unique_id, (0, 0.0))
+        key = r.replica_id.unique_id
+        engine, usage = tiers.engine.get(key, (0, 0.0))
         return Candidate(
-            engine=engine,
+            engine=max(engine, tiers.routed.get(key, 0)),
             node_pool=tiers.by_node.get(r.node_id, 0),
             anywhere=tiers.anywhere,
             queue=min(queue, 1e6),  # a replica that did not answer the probe: last

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvray import stores
@@ -120,12 +120,16 @@ def decision_metric(namespace: str, reasons: Sequence[str]) -> Any:
 class PromptTiers:
     """A prompt's prefix in every tier: ``total`` full blocks; per replica key, (leading blocks
     in its engine cache, its engine's KV usage); per node, leading blocks in kvray's pool
-    there; leading blocks kvray holds anywhere."""
+    there; leading blocks kvray holds anywhere; the blocks' engine-tier ids (what a router
+    remembers having sent where, :class:`~kvray.serving.inflight.InFlight`) and, per replica
+    key, the leading blocks of them routed there lately (filled in by the router)."""
 
     total: int
     engine: dict[str, tuple[int, float]]
     by_node: dict[str, int]
     anywhere: int
+    ids: tuple[int, ...] = ()
+    routed: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -138,9 +142,10 @@ class PromptTiers:
         per_shard = hasher.keys_per_shard(hashes)
         by_node = held_blocks_by_node(store.prefix_by_node, per_shard)
         anywhere = min(view.lookup(key_ids(keys)) for keys in per_shard)
-        counts = view.engine.prefix_by_slot(engine_ids(hashes))
+        ids = engine_ids(hashes)
+        counts = view.engine.prefix_by_slot(ids)
         engine = {info.key: (int(counts[slot]), info.usage) for slot, info in view.replicas.items()}
-        return cls(len(hashes), engine, by_node, anywhere)
+        return cls(len(hashes), engine, by_node, anywhere, tuple(ids.tolist()))
 
 
 class LookupLoop:
