@@ -13,11 +13,13 @@ Measured per run, from vLLM's load generator: TTFT p50/p99, ITL p50/p99. From kv
 series at the nodes' metrics endpoints (P/D only; deltas over the run): the handoff time
 (``kvray_handoff_latency_s``: the prefill's ``request_finished`` -> the decode engine's first
 step over the request done, i.e. its first token sampled; p50 interpolated in its histogram
-bucket, and the mean), the prompt tokens the decode engine computed itself per handed-off
-request (``kvray_handoff_computed_tokens`` / ``kvray_handoffs``), and the load rate (bytes
-read from pools over the time of those gets, ``kvray_bytes_loaded`` /
-``kvray_load_latency_s``), with what the target "handoff <= 50 ms + the load time of a
-prompt's bytes at that rate" comes to.
+bucket, and the mean) and its first part (``kvray_handoff_arrival_s``: until the decode
+engine's scheduler first sees the request: Ray Serve LLM's orchestrator hop and the decode's
+step in progress; the rest is the load and the first step), the prompt tokens the decode
+engine computed itself per handed-off request (``kvray_handoff_computed_tokens`` /
+``kvray_handoffs``), and the load rate (bytes read from pools over the time of those gets,
+``kvray_bytes_loaded`` / ``kvray_load_latency_s``), with what the target "handoff <= 50 ms +
+the load time of a prompt's bytes at that rate" comes to.
 
     python scripts/bench_pd.py [--repeats 3] [--requests 16] [--rate 1.0] [--pd 1:2]
 
@@ -114,6 +116,7 @@ def _kvray_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {
         "handoffs": handoffs,
         "handoff_ms_p50": 1000 * _bucket_p50(d, "kvray_handoff_latency_s_bucket"),
+        "arrival_ms_p50": 1000 * _bucket_p50(d, "kvray_handoff_arrival_s_bucket"),
         "handoff_ms_mean": 1000 * d.get("kvray_handoff_latency_s_sum", 0.0) / n_lat
         if n_lat
         else float("nan"),
@@ -214,15 +217,16 @@ def main() -> None:
     )
     print(
         f"{'config':<11} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>6} {'tok/s':>6} "
-        f"{'handoff p50':>11} {'mean':>6} {'computed/req':>12} {'load MiB/s':>10} "
-        f"{'KiB/handoff':>11}"
+        f"{'handoff p50':>11} {'mean':>6} {'arrival p50':>11} {'computed/req':>12} "
+        f"{'load MiB/s':>10} {'KiB/handoff':>11}"
     )
     for cfg, rows in results.items():
         print(
             f"{cfg:<11} {_med(rows, 'ttft_p50'):>7.0f}ms {_med(rows, 'ttft_p99'):>5.0f}ms "
             f"{_med(rows, 'itl_p50'):>6.1f}ms {_med(rows, 'itl_p99'):>4.0f}ms "
             f"{_med(rows, 'tok_s'):>6.1f} {_med(rows, 'handoff_ms_p50'):>9.1f}ms "
-            f"{_med(rows, 'handoff_ms_mean'):>4.0f}ms {_med(rows, 'computed_per_req'):>12.1f} "
+            f"{_med(rows, 'handoff_ms_mean'):>4.0f}ms {_med(rows, 'arrival_ms_p50'):>9.1f}ms "
+            f"{_med(rows, 'computed_per_req'):>12.1f} "
             f"{_med(rows, 'load_mib_s'):>10.1f} {_med(rows, 'loaded_kib_per_handoff'):>11.0f}"
         )
     pd, co = results["pd"], results["collocated"]

@@ -102,7 +102,7 @@ def test_decode_loads_the_handoff_with_the_feed_paused(engines: Any) -> None:
     prompt = PROMPTS[0]
     before = (sched.handoffs.offered_tokens, sched.counters.loaded_blocks)
     begun, computed = sched.handoffs.begun, sched.handoffs.computed_tokens
-    timed = len(sched.handoffs.latencies_s)
+    timed, arrived = len(sched.handoffs.latencies_s), len(sched.handoffs.arrivals_s)
     with _feed_paused(llm):
         params = _prefill(llm, prompt)
         h = params["kvray"]
@@ -116,10 +116,13 @@ def test_decode_loads_the_handoff_with_the_feed_paused(engines: Any) -> None:
     assert len(prompt) - out.num_cached_tokens <= BLOCK_SIZE
     assert sched.handoffs.offered_tokens - before[0] == full_hit_tokens(prompt)
     assert sched.counters.loaded_blocks - before[1] == full_hit_blocks(prompt)
-    # The handoff's figures: one begun, the prompt's last partial block computed, one latency.
+    # The handoff's figures: one begun, the prompt's last partial block computed, one latency
+    # and its first part (prefill finished -> the decode's scheduler saw the request).
     assert sched.handoffs.begun - begun == 1
     assert sched.handoffs.computed_tokens - computed == len(prompt) - full_hit_tokens(prompt)
     assert len(sched.handoffs.latencies_s) == timed + 1
+    assert len(sched.handoffs.arrivals_s) == arrived + 1
+    assert 0 <= sched.handoffs.arrivals_s[-1] <= sched.handoffs.latencies_s[-1]
 
 
 def test_a_later_request_with_the_prefix_hits_kvray_on_either_side(engines: Any) -> None:

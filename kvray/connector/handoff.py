@@ -287,6 +287,8 @@ class HandoffPlanner:
         self.begun = 0
         self.computed_tokens = 0
         self.latencies_s: deque[float] = deque(maxlen=self.MAX_LATENCIES)
+        #: Prefill finished -> this scheduler first saw the request (s; the newest).
+        self.arrivals_s: deque[float] = deque(maxlen=self.MAX_LATENCIES)
         self._stepping: list[float] = []
 
     def read(self, params: object, block_hashes: Sequence[bytes]) -> Handoff | None:
@@ -302,6 +304,11 @@ class HandoffPlanner:
             return None
         if handoff is not None:
             self.received += 1
+            if handoff.sent_at is not None:
+                seconds = max(0.0, time.time() - handoff.sent_at)
+                self.arrivals_s.append(seconds)
+                if self.namespace:
+                    HandoffMetrics.get(self.namespace).arrived(seconds)
         return handoff
 
     def params(self, block_hashes: Sequence[bytes], num_blocks: int) -> dict[str, Any]:

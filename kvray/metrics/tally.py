@@ -257,6 +257,14 @@ class HandoffMetrics:
             boundaries=HANDOFF_BOUNDARIES,
             tag_keys=keys,
         )
+        self.arrival = metrics.Histogram(
+            "kvray_handoff_arrival_s",
+            "Prefill finished -> the decode engine's scheduler first sees the request (the P/D "
+            "orchestrator's hop and the decode's step in progress; the rest of "
+            "kvray_handoff_latency_s is the load and the first step)",
+            boundaries=HANDOFF_BOUNDARIES,
+            tag_keys=keys,
+        )
 
     @classmethod
     def get(cls, namespace: str) -> HandoffMetrics:
@@ -272,3 +280,6 @@ class HandoffMetrics:
 
     def observe(self, seconds: float) -> None:
         self.latency.observe(seconds, tags=self.tags)
+
+    def arrived(self, seconds: float) -> None:
+        self.arrival.observe(seconds, tags=self.tags)

@@ -6,14 +6,17 @@ prefill is stored (a second or more on a busy CPU). Requests sharing a prefix th
 between (a burst of conversations behind one system prompt, a client fanning out) would each
 look cold, go to different replicas and compute the same prefix several times over. Measured on
 Ray's multi-turn benchmark (8 sessions starting together, 4 replicas): first turns computed
-709 prompt tokens each against 264 for later turns, ~3.9 copies of the shared 914-token
+709 prompt tokens each against 264 for later turns: 4 copies of the shared 896-token
 system prompt computed at once.
 
 :class:`InFlight` remembers, for ``ttl_s`` after routing, which replica each block of a routed
 prompt went to; the router counts a replica's leading blocks here like blocks in its engine
 cache (vLLM shares a prefix already scheduled on the same engine: its blocks enter the prefix
-cache when they are allocated). Bounded: at most ``max_blocks`` (block, replica) entries,
-oldest dropped first; entries expire after ``ttl_s``. Thread-safe (one lock, no I/O under it).
+cache when they are allocated). It remembers the replica the router ranked first: should Serve
+place the request on the next one (the first at its ``max_ongoing_requests``), the memory is
+wrong about it for ``ttl_s`` at most, as it is about a replica that died. Bounded: at most
+``max_blocks`` (block, replica) entries, oldest dropped first; entries expire after ``ttl_s``.
+Thread-safe (one lock, no I/O under it).
 """
 
 from __future__ import annotations
