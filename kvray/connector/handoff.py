@@ -9,10 +9,14 @@ the pools holding every shard, from the prefill's view for blocks kvray already 
 prefill's own node pool for the blocks its workers are storing now.
 
 The decode engine's ``get_num_new_matched_tokens`` reads the params (:func:`read_handoff`) and
-offers those blocks at once, loaded asynchronously from the named pools: it never consults its
-view of the index, so a feed that lags (or is paused) does not delay it. Blocks still being put
-by the prefill are waited for, bounded by :data:`HANDOFF_WAIT_S`; a block missing past that
-(evicted, pool lost, prefill killed before its put) is reported failed and recomputed by vLLM.
+offers those blocks at once, loaded from the named pools in the engine's load mode: it never
+consults its view of the index, so a feed that lags (or is paused) does not delay it. In the
+default ``sync`` mode the load runs in the step that schedules the request, whose forward then
+computes the rest of the prompt and samples the first token: one engine step sooner than an
+async load, which takes a step to report. Blocks still being put by the prefill are waited
+for, bounded by :data:`HANDOFF_WAIT_S` (an async load) or the step's load deadline (a sync
+one, ``load_timeout_s`` and the bytes' time); a block missing past that (evicted, pool lost,
+prefill killed before its put) is reported failed and recomputed by vLLM.
 
 Params a decode cannot read (another model or layout, another block size, garbage, a hash
 chain that is not this request's prompt) are ignored with a warning: the request is computed

@@ -173,7 +173,7 @@ class KVRayConnectorScheduler:
             hit_blocks = self.quarantine.usable(hashes[: state.handoff.num_blocks])
             if hit_blocks > start:
                 state.hit_grouping = state.handoff.grouping
-                return _hit_tokens(request, hit_blocks * bs) - num_computed_tokens, True
+                return _hit_tokens(request, hit_blocks * bs) - num_computed_tokens, self._load_async
         self.lookups += 1
         hit_blocks, state.hit_grouping = self._find_hit(hashes)
         if hit_blocks <= start:
@@ -203,7 +203,7 @@ class KVRayConnectorScheduler:
         else:
             handoff = None
             plan = self.manager.prepare_load(hashes, state.hit_grouping)
-        is_async = self._load_async or handoff is not None
+        is_async = self._load_async
         self._new_pools.update(plan.pools)
         self._new_placements.update(plan.placements)
         job_id = next(self._job_ids)
@@ -289,7 +289,10 @@ class KVRayConnectorScheduler:
                 if ids is not None:
                     state.block_ids = list(ids[0])
             req = state.request
-            if state.handoff is not None and state.load_job is None and not state.handoff_begun:
+            # A handoff's first step: the one after its async load, or the one its sync load
+            # runs in (the forward computes the rest of the prompt right after it).
+            loaded = state.load_job is None or not state.load_is_async
+            if state.handoff is not None and loaded and not state.handoff_begun:
                 state.handoff_begun = True
                 self.handoffs.began(state.handoff, req.num_prompt_tokens - req.num_computed_tokens)
             # num_computed_tokens is advanced after this call: add this step's tokens.
