@@ -137,26 +137,19 @@ _SOURCES = re.compile(
 _PREEMPTIONS = re.compile(r"^ray_vllm[:_]num_preemptions(?:_total)?\{[^}]*\}\s+(\S+)")
 
 
-def preemptions(urls: list[str]) -> int:
-    """vLLM's preemptions (a request's blocks taken back to make room; it prefills again),
-    summed over every replica."""
-    total = 0.0
-    for line in metrics_lines(urls):
-        m = _PREEMPTIONS.match(line)
-        if m is not None:
-            total += float(m.group(1))
-    return int(total)
-
-
-def prompt_token_sources(urls: list[str]) -> Counter[str]:
-    """vLLM's ``prompt_tokens_by_source`` summed over every replica (Ray Serve LLM exports
-    engine metrics at each node's Ray metrics endpoint): ``local_compute`` (prefilled),
-    ``local_cache_hit`` (vLLM's own prefix cache), ``external_kv_transfer`` (kvray)."""
+def engine_counts(urls: list[str]) -> Counter[str]:
+    """vLLM's counters summed over every replica, from one scrape of every node's Ray metrics
+    endpoint (Ray Serve LLM exports engine metrics there): ``prompt_tokens_by_source`` by source
+    (``local_compute``: prefilled, ``local_cache_hit``: vLLM's own prefix cache,
+    ``external_kv_transfer``: kvray) and ``preemptions`` (a request's blocks taken back to make
+    room; it prefills again)."""
     counts: Counter[str] = Counter()
     for line in metrics_lines(urls):
         m = _SOURCES.match(line)
         if m is not None:
             counts[m.group(1)] += int(float(m.group(2)))
+        elif (m := _PREEMPTIONS.match(line)) is not None:
+            counts["preemptions"] += int(float(m.group(1)))
     return counts
 
 
@@ -213,16 +206,15 @@ def _run_one(
         else _ray_load(port, tokenizer, seed, a.hit_rate if hit is None else hit, a, out)
     )
     gcs0 = gcs_rpc_snapshot(urls)
-    src0 = prompt_token_sources(urls)
-    pre0 = preemptions(urls)
+    counts0 = engine_counts(urls)
     cpu0 = cpu_by_process()
     t0 = time.perf_counter()
     loaded = _load(cmd, out)
     wall = time.perf_counter() - t0
     cpu1 = cpu_by_process(exclude={loaded["pid"]})
     gcs1 = gcs_rpc_snapshot(urls)
-    src = prompt_token_sources(urls) - src0
-    preempted = preemptions(urls) - pre0
+    src = engine_counts(urls) - counts0
+    preempted = src.pop("preemptions", 0)
     row = _figures(kind, loaded["result"])
     n = row["requests"]
     total = sum(src.values())

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from kvray.config import ConfigError
 from kvray.serving.inflight import InFlight
 from kvray.serving.score import Candidate, Weights, pick
 
@@ -46,6 +47,9 @@ def test_bounded_and_off() -> None:
     assert len(off) == 0 and off.prefix([1, 2], now=0.0) == {}
     with pytest.raises(ValueError):
         InFlight(ttl_s=-1)
+    for bad in (float("nan"), float("inf"), True, "3"):
+        with pytest.raises(ConfigError, match="inflight_s"):
+            InFlight(ttl_s=bad)  # type: ignore[arg-type]
 
 
 def test_a_burst_sharing_a_cold_prefix_stays_on_one_replica_until_its_queue_is_long() -> None:

@@ -21,9 +21,12 @@ Thread-safe (one lock, no I/O under it).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Sequence
+
+from kvray.config import ConfigError
 
 __all__ = ["InFlight"]
 
@@ -37,8 +40,12 @@ class InFlight:
     """Blocks recently routed to each replica (by replica key), expiring after ``ttl_s``."""
 
     def __init__(self, ttl_s: float = TTL_S, max_blocks: int = MAX_BLOCKS) -> None:
-        if ttl_s < 0 or max_blocks < 1:
-            raise ValueError(f"InFlight(ttl_s={ttl_s}, max_blocks={max_blocks})")
+        """``ttl_s``: the router's ``inflight_s`` (a ConfigError names it when invalid)."""
+        number = not isinstance(ttl_s, bool) and isinstance(ttl_s, int | float)
+        if not number or not 0 <= ttl_s < math.inf:
+            raise ConfigError("inflight_s", ttl_s, "expected a finite number >= 0")
+        if max_blocks < 1:
+            raise ValueError(f"InFlight(max_blocks={max_blocks}): expected at least 1")
         self.ttl_s = float(ttl_s)
         self.max_blocks = int(max_blocks)
         self._lock = threading.Lock()

@@ -27,7 +27,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvray.config import ConfigError, check_namespace
+from kvray.config import check_namespace
 from kvray.serving.inflight import TTL_S, InFlight
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of
 from kvray.serving.score import Candidate, Weights, pick
@@ -70,13 +70,7 @@ class KVRayRouter(RequestRouter):
         check_namespace(namespace)
         self._namespace = namespace
         self._weights = Weights.of(weights)
-        if (
-            isinstance(inflight_s, bool)
-            or not isinstance(inflight_s, int | float)
-            or not (0 <= inflight_s < float("inf"))
-        ):
-            raise ConfigError("inflight_s", inflight_s, "expected a finite number >= 0")
-        self._inflight = InFlight(float(inflight_s))
+        self._inflight = InFlight(inflight_s)
         self._engine_kwargs = engine_kwargs
         self._tokenizer: TokenizerLike | None = None
         self._store: Any = None
