@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from kvray.config import ConfigError
-from kvray.serving.inflight import InFlight
+from kvray.serving.inflight import InFlight, Unsent
 from kvray.serving.score import Candidate, Weights, pick
 
 
@@ -107,3 +107,47 @@ def test_concurrent_notes_and_lookups() -> None:
     for t in threads:
         t.join(30)
     assert not errors and len(mem) <= 1000
+
+
+def test_unsent_decisions_count_until_serve_counts_them() -> None:
+    """A replica's decisions count in its queue from the moment the router makes them until
+    Serve counts the request (its send, or the replica's answer), or ``ttl_s`` if it never
+    does."""
+    u = Unsent(ttl_s=1.0)
+    u.chosen("a", now=0.0)
+    u.chosen("a", now=0.1)
+    u.chosen("b", now=0.1)
+    assert (u.pending("a", 0.2), u.pending("b", 0.2), u.pending("c", 0.2)) == (2, 1, 0)
+    u.sent("a")  # Serve's +1 replaces the oldest
+    assert u.pending("a", 0.2) == 1 and len(u) == 3
+    u.answered("a")  # the replica's count settles the one sent
+    assert u.pending("a", 0.2) == 1 and len(u) == 2
+    u.answered("b")  # choose_replica's reservation: answered, never sent
+    assert u.pending("b", 0.2) == 0
+    u.sent("c")  # a send the router did not decide (its fallback): nothing to take back
+    u.answered("c")
+    assert len(u) == 1
+    assert u.pending("a", 1.05) == 1  # the one left was made at 0.1
+    assert u.pending("a", 1.2) == 0 and len(u) == 0
+    small = Unsent(ttl_s=10.0, max_entries=8)
+    for i in range(100):
+        small.chosen("hot" if i % 2 else f"r{i}", now=0.0)
+    assert len(small) <= 8
+
+
+def test_a_burst_routed_before_any_send_spreads_by_the_routers_own_count() -> None:
+    """Serve counts a request in a replica's queue only when it sends it: a burst routed
+    before any send sees every queue at 0. With the decisions not yet sent added, cold
+    prompts alternate between replicas instead of piling on one by chance."""
+    reps = ["r0", "r1"]
+    w = Weights()
+    u = Unsent()
+    rng = random.Random(1)
+    chosen = []
+    for _ in range(12):
+        cands = [Candidate(queue=0 + u.pending(r, 0.0)) for r in reps]
+        order, reason = pick(reps, 10, cands, w, rng)
+        assert reason == "cold"
+        u.chosen(order[0], 0.0)
+        chosen.append(order[0])
+    assert chosen.count("r0") == chosen.count("r1") == 6

@@ -617,6 +617,28 @@ def test_a_burst_sharing_a_cold_prefix_goes_to_one_replica_and_computes_it_once(
     assert cached[0] == 0 and cached[1] >= 6 * BLOCK_SIZE, cached
 
 
+def test_a_concurrent_burst_of_cold_prompts_spreads_over_the_replicas(served: Served) -> None:
+    """Eight prompts no cache holds, routed at once: Serve counts each in its replica's queue
+    only when the replica answers, after the router has ranked the others; the router adds
+    its own decisions not counted yet, so the two replicas get four each (seeing both queues
+    empty each time, it picked by chance: four each one time in four)."""
+    from collections import Counter
+    from contextlib import AsyncExitStack
+
+    prompts = [_token_prompt(3 * BLOCK_SIZE + 5, seed=3300 + i) for i in range(8)]
+
+    async def burst() -> list[str]:
+        async with AsyncExitStack() as stack:
+            reqs = [_completion(p, max_tokens=1) for p in prompts]
+            sels = await asyncio.gather(
+                *(stack.enter_async_context(served.handle.choose_replica(r, None)) for r in reqs)
+            )
+            return [_uid(s) for s in sels]  # not dispatched: the slots are released on exit
+
+    uids = served.run(burst())
+    assert sorted(Counter(uids).values()) == [4, 4], uids
+
+
 def test_text_chat_and_token_prompts_are_scored_off_the_loop(served: Served) -> None:
     """The router's own lookup (its thread, its loop) finds each kind of prompt in the engine
     that served it, with the engine's own tokenization and hashing."""

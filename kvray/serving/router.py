@@ -7,7 +7,10 @@ local view (no actor call): per replica, how many leading blocks its own engine 
 holds, and how many kvray holds anywhere. Each candidate gets the score of
 :mod:`kvray.serving.score` (tiers weighted 1.0 / 0.8 / 0.5, minus its queue and its engine's
 KV usage); the best goes first, ties by power of two choices. Prompts with nothing to score
-go to the shorter queue of two random replicas.
+go to the shorter queue of two random replicas. Between the engine's report and the routing,
+the router's own memory fills in (:mod:`kvray.serving.inflight`): which replica it sent each
+recent prompt's blocks to, and the requests it routed that Serve has not counted in a
+replica's queue yet (a burst's requests otherwise all see the same queue lengths).
 
 The whole lookup (tokenizing, hashing, reading the view) runs on the router's own thread and
 event loop, never on Serve's. Decisions are counted by reason (metric
@@ -28,7 +31,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvray.config import check_namespace
-from kvray.serving.inflight import TTL_S, InFlight
+from kvray.serving.inflight import TTL_S, InFlight, Unsent
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of
 from kvray.serving.score import Candidate, Weights, pick
 from kvray.serving.tokenize import EngineTokenizer
@@ -71,6 +74,7 @@ class KVRayRouter(RequestRouter):
         self._namespace = namespace
         self._weights = Weights.of(weights)
         self._inflight = InFlight(inflight_s)
+        self._unsent = Unsent()
         self._engine_kwargs = engine_kwargs
         self._tokenizer: TokenizerLike | None = None
         self._store: Any = None
@@ -148,11 +152,30 @@ class KVRayRouter(RequestRouter):
         routed = self._inflight.prefix(tiers.ids, now)
         if routed:
             tiers = dataclasses.replace(tiers, routed=routed)
-        cands = [self._candidate(r, tiers, queues[r.replica_id]) for r in candidate_replicas]
+        cands = [
+            self._candidate(
+                r,
+                tiers,
+                queues[r.replica_id] + self._unsent.pending(r.replica_id.unique_id, now),
+            )
+            for r in candidate_replicas
+        ]
         ranked, reason = pick(candidate_replicas, tiers.total, cands, self._weights)
-        self._inflight.note(ranked[0].replica_id.unique_id, tiers.ids, now)
+        first = ranked[0].replica_id.unique_id
+        self._inflight.note(first, tiers.ids, now)
+        self._unsent.chosen(first, now)
         self._count(reason)
         return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+
+    def on_send_request(self, replica_id: Any) -> None:
+        """Serve sent a request and counted it: the router's decision no longer counts."""
+        super().on_send_request(replica_id)
+        self._unsent.sent(replica_id.unique_id)
+
+    def on_new_queue_len_info(self, replica_id: Any, num_ongoing_requests: int) -> None:
+        """The replica's own count (the request it accepted, refused or reserved included)."""
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        self._unsent.answered(replica_id.unique_id)
 
     @staticmethod
     def _candidate(r: RunningReplica, tiers: PromptTiers, queue: float) -> Candidate:
