@@ -26,6 +26,7 @@ main workload; w: the GCS's CPU seconds per request with kvray).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -361,9 +362,11 @@ def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.
         print(f"{m[-48:]:<48}" + "".join(f"{v:>10.2f}" for v in vals))
     print("\nPer-turn mean TTFT / ITL (ms, medians)")
     for (cfg, wl), rows in results.items():
-        turns = zip(*(r["per_turn"] for r in rows), strict=False)
+        # A repeat whose benchmark reported fewer turns leaves them to the others.
+        turns = itertools.zip_longest(*(r["per_turn"] for r in rows))
         cells = [
-            f"{statistics.median(t[0] for t in ts):.0f}/{statistics.median(t[1] for t in ts):.1f}"
+            f"{statistics.median(t[0] for t in ts if t):.0f}/"
+            f"{statistics.median(t[1] for t in ts if t):.1f}"
             for ts in turns
         ]
         if cells:
