@@ -49,7 +49,7 @@ def main() -> None:
     from kvray.connector.engine import EngineReporter
     from kvray.meta.ids import engine_ids
     from kvray.registry import KeySpaceInfo
-    from kvray.serving.inflight import InFlight
+    from kvray.serving.inflight import InFlight, Unsent
     from kvray.serving.prompts import BlockHasher
     from kvray.serving.score import Candidate, Weights, pick
     from kvray.serving.view import LookupLoop, PromptTiers
@@ -93,6 +93,7 @@ def main() -> None:
     w = Weights()
     names = [f"replica-{r}" for r in range(args.replicas)]
     inflight = InFlight(ttl_s=3600.0)
+    unsent = Unsent()
 
     async def lookup() -> PromptTiers:
         return PromptTiers.of(store, hasher, tokens, None)
@@ -101,7 +102,8 @@ def main() -> None:
         t0 = time.perf_counter()
         tiers = await loop_thread.run(lookup())
         # As KVRayRouter.choose_replicas does on Serve's loop: what it sent where lately (the
-        # same prompt every time: every replica soon holds all of it, the slowest case).
+        # same prompt every time: every replica soon holds all of it, the slowest case) and
+        # the requests Serve has not counted yet.
         now = time.monotonic()
         routed = inflight.prefix(tiers.ids, now)
         cands = [
@@ -109,13 +111,17 @@ def main() -> None:
                 engine=max(tiers.engine.get(k, (0, 0.0))[0], routed.get(k, 0)),
                 node_pool=tiers.by_node.get(node, 0),
                 anywhere=tiers.anywhere,
-                queue=rng.random() * 4,
+                queue=rng.random() * 4 + unsent.pending(k, now),
             )
             for k in names
         ]
         order, _ = pick(names, tiers.total, cands, w)
         inflight.note(order[0], tiers.ids, now)
-        return (time.perf_counter() - t0) * 1e3
+        unsent.chosen(order[0], now)
+        ms = (time.perf_counter() - t0) * 1e3
+        unsent.sent(order[0])  # Serve's part, after choose_replicas returns: not timed
+        unsent.answered(order[0])
+        return ms
 
     async def bench() -> list[float]:
         for _ in range(50):
