@@ -145,7 +145,7 @@ def test_a_burst_routed_before_any_send_spreads_by_the_routers_own_count() -> No
     rng = random.Random(1)
     chosen = []
     for _ in range(12):
-        cands = [Candidate(queue=0 + u.pending(r, 0.0)) for r in reps]
+        cands = [Candidate(queue=u.pending(r, 0.0)) for r in reps]
         order, reason = pick(reps, 10, cands, w, rng)
         assert reason == "cold"
         u.chosen(order[0], 0.0)

@@ -25,7 +25,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 from kvray.config import ConfigError
 
@@ -129,8 +129,8 @@ class Unsent:
         self.ttl_s = float(ttl_s)
         self.max_entries = int(max_entries)
         self._lock = threading.Lock()
-        #: replica key -> its decisions, oldest first: [expiry (monotonic seconds), sent]
-        self._by_replica: dict[str, deque[list[Any]]] = {}
+        #: replica key -> its decisions, oldest first
+        self._by_replica: dict[str, _Decisions] = {}
         self._n = 0
 
     def __len__(self) -> int:
@@ -140,18 +140,17 @@ class Unsent:
         """The router just ranked ``replica`` first for a request."""
         with self._lock:
             self._expire(replica, now)
-            self._by_replica.setdefault(replica, deque()).append([now + self.ttl_s, False])
+            self._by_replica.setdefault(replica, _Decisions()).expiries.append(now + self.ttl_s)
             self._n += 1
             if self._n > self.max_entries:
-                self._settle(max(self._by_replica, key=lambda k: len(self._by_replica[k])))
+                self._settle(max(self._by_replica, key=lambda k: len(self._by_replica[k].expiries)))
 
     def sent(self, replica: str) -> None:
         """Serve sent a request to ``replica`` and added it to its count."""
         with self._lock:
-            for d in self._by_replica.get(replica, ()):
-                if not d[1]:
-                    d[1] = True
-                    return
+            d = self._by_replica.get(replica)
+            if d is not None and d.sent < len(d.expiries):
+                d.sent += 1
 
     def answered(self, replica: str) -> None:
         """``replica`` told Serve its count of requests (the decision's request included)."""
@@ -162,18 +161,31 @@ class Unsent:
         """Decisions for ``replica`` that Serve has not counted and that have not expired."""
         with self._lock:
             self._expire(replica, now)
-            return sum(1 for d in self._by_replica.get(replica, ()) if not d[1])
+            d = self._by_replica.get(replica)
+            return 0 if d is None else len(d.expiries) - d.sent
 
     def _settle(self, replica: str) -> None:
-        q = self._by_replica.get(replica)
-        if q:
-            q.popleft()
-            self._n -= 1
-            if not q:
-                del self._by_replica[replica]
+        """Drop ``replica``'s oldest decision (sent ones are the oldest)."""
+        d = self._by_replica.get(replica)
+        if d is None:
+            return
+        d.expiries.popleft()
+        d.sent = max(0, d.sent - 1)
+        self._n -= 1
+        if not d.expiries:
+            del self._by_replica[replica]
 
     def _expire(self, replica: str, now: float) -> None:
-        q = self._by_replica.get(replica)
-        while q and q[0][0] <= now:
+        d = self._by_replica.get(replica)
+        while d is not None and d.expiries[0] <= now:
             self._settle(replica)
-            q = self._by_replica.get(replica)
+            d = self._by_replica.get(replica)
+
+
+@dataclass
+class _Decisions:
+    """One replica's decisions awaiting Serve: their expiries, oldest first, and how many of
+    the oldest Serve has sent (a send takes the oldest unsent one)."""
+
+    expiries: deque[float] = field(default_factory=deque)
+    sent: int = 0
