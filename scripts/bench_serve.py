@@ -81,12 +81,17 @@ MODELS: dict[str, dict[str, int]] = {
 }
 
 
+def _ray_shape(hit_rate: float, a: argparse.Namespace) -> tuple[int, int]:
+    """Turns and sessions of Ray's workload at ``hit_rate``."""
+    return (a.turns, a.sessions) if hit_rate > 0 else (1, a.sessions * a.turns)
+
+
 def _ray_load(
     port: int, tokenizer: str, seed: int, hit_rate: float, a: argparse.Namespace, out: Path
 ) -> list[str]:
     """Ray's multi-turn benchmark. Hit rate 0 (no reuse) runs single-turn sessions (Ray's
     workload cannot be multi-turn without reuse), as many requests."""
-    turns, sessions = (a.turns, a.sessions) if hit_rate > 0 else (1, a.sessions * a.turns)
+    turns, sessions = _ray_shape(hit_rate, a)
     return [
         sys.executable, "-m", "ray.llm._internal.serve.benchmark",
         "-u", f"http://127.0.0.1:{port}", "-m", MODEL, "--tokenizer", tokenizer,
@@ -217,7 +222,14 @@ def _run_one(
     src = engine_counts(urls) - counts0
     preempted = src.pop("preemptions", 0)
     row = _figures(kind, loaded["result"])
-    n = row["requests"]
+    # Per request sent: vLLM's and Ray's counters include the requests Ray's benchmark sends
+    # while it warms up to a steady mix of turns, which its figures leave out.
+    if kind == "vllm":
+        n = row["requests"]
+    else:
+        turns, sessions = _ray_shape(a.hit_rate if hit is None else hit, a)
+        n = turns * sessions
+    row["sent"] = n
     total = sum(src.values())
     if total:  # vLLM's own count of where each prompt token came from, over all replicas
         row["computed_per_req"] = src["local_compute"] / n
@@ -471,14 +483,15 @@ def main() -> None:
                     row = _run_one(port, model, urls, 1 + r, wl, a, work)
                     if store:  # what the pools did: puts and bytes stored per request
                         after = store.stats()["totals"]
-                        n = max(1, row["requests"])
+                        n = max(1, row["sent"])
                         row["puts_per_req"] = (after["puts"] - before["puts"]) / n
                         row["stored_kib_per_put"] = (
                             (after["stored_bytes"] - before["stored_bytes"]) / 1024
                         ) / max(1, after["puts"] - before["puts"])
                     results[(cfg, wl)].append(row)
                     print(
-                        f"#   {wl}: TTFT p50 {row['ttft_p50']:.0f} ms, ITL "
+                        f"#   {wl}: {row['requests']} of {row['sent']} requests measured, "
+                        f"TTFT p50 {row['ttft_p50']:.0f} ms, ITL "
                         f"{row['itl_mean']:.1f} ms, {row['tok_s']:.1f} tok/s, CPU "
                         f"{row['cpu_total']:.3f} s/req (GCS {row['cpu'].get('gcs', 0):.4f})",
                         flush=True,
