@@ -12,7 +12,9 @@ shared system prompt) and, as many requests, single-turn prompts with no reuse (
 Measured per run: TTFT p50/p99, ITL mean/p99, output tok/s (from the load generator's own
 results), per-turn TTFT and ITL, CPU seconds per request by process role (GCS, raylet, agents,
 Serve proxy, kvray's actors, EngineCore, replicas; see ``tests/ray_probe.py``) and the GCS's
-RPCs per request by method (Ray's Prometheus counters).
+RPCs per request by method (Ray's Prometheus counters). Latencies and rates are over the
+requests the load generator measured (Ray's leaves out those it sends while warming up);
+counters per request are over every request sent.
 
 It starts its own simulated 2-node cluster (``ray.cluster_utils.Cluster``), one replica a node.
 
