@@ -207,11 +207,12 @@ def _run_one(
     work: Path,
 ) -> dict[str, Any]:
     kind, hit = WORKLOADS[workload]
+    rate = a.hit_rate if hit is None else hit
     out = work / f"r{seed}-{workload}.json"
     cmd = (
         _vllm_load(port, tokenizer, seed, a, out)
         if kind == "vllm"
-        else _ray_load(port, tokenizer, seed, a.hit_rate if hit is None else hit, a, out)
+        else _ray_load(port, tokenizer, seed, rate, a, out)
     )
     gcs0 = gcs_rpc_snapshot(urls)
     counts0 = engine_counts(urls)
@@ -229,7 +230,7 @@ def _run_one(
     if kind == "vllm":
         n = row["requests"]
     else:
-        turns, sessions = _ray_shape(a.hit_rate if hit is None else hit, a)
+        turns, sessions = _ray_shape(rate, a)
         n = turns * sessions
     row["sent"] = n
     total = sum(src.values())
