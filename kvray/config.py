@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "KVRayConfig",
     "check_namespace",
+    "check_number",
     "format_bytes",
     "parse_bytes",
 ]
@@ -129,6 +130,30 @@ def _finite_size(number: float, field_name: str, value: object) -> float:
     if number < 0:
         raise ConfigError(field_name, value, "must not be negative")
     return number
+
+
+def check_number(
+    value: object,
+    field_name: str,
+    *,
+    low: float = 0.0,
+    high: float = math.inf,
+    low_open: bool = False,
+    unit: str = "",
+) -> float:
+    """``value`` as a float when it is a real number (not a bool, not NaN, not infinite) in
+    ``[low, high]`` (``(low, high]`` with ``low_open``); otherwise a :class:`ConfigError`
+    naming ``field_name`` and the range (``unit``, such as ``seconds``, is said with it)."""
+    lo = "(" if low_open else "["
+    hi = "]" if math.isfinite(high) else ")"
+    span = f"{lo}{low:g}, {high:g}{hi}" + (f" {unit}" if unit else "")
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not math.isfinite(value):  # type: ignore[arg-type]
+        raise ConfigError(field_name, value, f"expected a finite number in {span}")
+    v = float(value)  # type: ignore[arg-type]
+    if v < low or (low_open and v == low) or v > high:
+        raise ConfigError(field_name, value, f"expected a number in {span}")
+    return v
 
 
 def format_bytes(n: float) -> str:
@@ -269,10 +294,8 @@ class KVRayConfig:
             "health_check_interval_s",
             "load_timeout_s",
         ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
-                raise ConfigError(name, v, "expected seconds in (0, 3600]")
-            object.__setattr__(self, name, float(v))
+            v = check_number(getattr(self, name), name, high=3600, low_open=True, unit="seconds")
+            object.__setattr__(self, name, v)
         v = self.decode_store_blocks
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
             raise ConfigError("decode_store_blocks", v, "expected a whole number in [1, 4096]")

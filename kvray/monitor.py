@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from kvray.config import ConfigError
+from kvray.config import ConfigError, check_number
 from kvray.errors import KVRayError
 
 RAY_CONFIG = Path("metrics", "prometheus", "prometheus.yml")
@@ -62,8 +62,8 @@ def _duration(seconds: float) -> str:
 
 
 def _check_interval(scrape_interval_s: float | None) -> None:
-    if scrape_interval_s is not None and not 0.1 <= scrape_interval_s <= 3600:
-        raise ConfigError("scrape_interval_s", scrape_interval_s, "expected 0.1 to 3600 seconds")
+    if scrape_interval_s is not None:
+        check_number(scrape_interval_s, "scrape_interval_s", low=0.1, high=3600, unit="seconds")
 
 
 def _set_interval(cfg: dict[str, Any], seconds: float) -> None:
@@ -209,8 +209,9 @@ class Prometheus:
 
     def start(self, ready_timeout_s: float = 30.0) -> None:
         """Start and wait until Prometheus answers ``/-/ready``; MonitorError if it does not."""
-        if ready_timeout_s <= 0:
-            raise ConfigError("ready_timeout_s", ready_timeout_s, "must be > 0")
+        ready_timeout_s = check_number(
+            ready_timeout_s, "ready_timeout_s", high=3600, low_open=True, unit="seconds"
+        )
         if not port_free(self.host, self.port):
             raise MonitorError(
                 f"port {self.port} on {self.host} is in use (another Prometheus?): pass --port"
@@ -300,8 +301,7 @@ def run(
     lost there) or Prometheus exits; returns the exit status for the command (0 when stopped)."""
     import ray
 
-    if refresh_s <= 0:
-        raise ConfigError("refresh_s", refresh_s, "must be > 0")
+    refresh_s = check_number(refresh_s, "refresh_s", high=3600, low_open=True, unit="seconds")
     _check_interval(scrape_interval_s)
     binary = find_prometheus(prometheus)
     keep = data_dir is not None

@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvray.config import ConfigError
+from kvray.config import ConfigError, check_number
 
 NodeStats = Mapping[str, Any]
 
@@ -206,10 +206,8 @@ def watch(
 
     A failed ``stats()`` call keeps the last table on screen with the error under it.
     """
-    if not 0.1 <= interval_s <= 3600:
-        raise ConfigError("interval_s", interval_s, "expected 0.1 to 3600 seconds")
-    if timeout_s <= 0:
-        raise ConfigError("timeout_s", timeout_s, "must be > 0")
+    interval_s = check_number(interval_s, "interval_s", low=0.1, high=3600, unit="seconds")
+    timeout_s = check_number(timeout_s, "timeout_s", high=3600, low_open=True, unit="seconds")
     if frames is not None and frames < 1:
         raise ConfigError("frames", frames, "must be >= 1")
     rates = Rates()

@@ -10,6 +10,7 @@ from kvray.config import (
     ConfigError,
     KVRayConfig,
     check_namespace,
+    check_number,
     format_bytes,
     parse_bytes,
 )
@@ -132,6 +133,39 @@ def test_non_finite_negative_and_absurd_values_name_the_field(field: str, value:
     with pytest.raises(ConfigError) as direct:
         KVRayConfig(**{field: value})  # type: ignore[arg-type]
     assert direct.value.field_name == field
+
+
+def test_one_number_rule_for_every_number_kvray_is_given() -> None:
+    """Seconds, weights and intervals share one check: a bool, a string, NaN or infinity is
+    a ConfigError naming the field and the range, wherever the number is given."""
+    from kvray.monitor import _check_interval
+    from kvray.serving.inflight import InFlight
+    from kvray.serving.score import Weights
+
+    assert check_number(3, "x") == 3.0 and isinstance(check_number(3, "x"), float)
+    assert check_number(0, "x") == 0.0
+    assert check_number(3600, "x", high=3600, low_open=True) == 3600.0
+    for bad in (True, "1", None, float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(
+            ConfigError, match=r"invalid x=.*expected a finite number in \[0, inf\)"
+        ):
+            check_number(bad, "x")
+    with pytest.raises(ConfigError, match=r"expected a number in \(0, 3600\] seconds"):
+        check_number(0, "x", high=3600, low_open=True, unit="seconds")
+    with pytest.raises(ConfigError, match=r"expected a number in \[0.1, 3600\]"):
+        check_number(3601, "x", low=0.1, high=3600)
+    callers = {
+        "get_timeout_s": lambda v: KVRayConfig(get_timeout_s=v),
+        "weights.queue": lambda v: Weights.of({"queue": v}),
+        "inflight_s": lambda v: InFlight(ttl_s=v),
+        "scrape_interval_s": _check_interval,
+    }
+    for field, make in callers.items():
+        for bad in (float("nan"), float("inf"), True, "1", -1):
+            with pytest.raises(ConfigError) as info:
+                make(bad)
+            assert info.value.field_name == field, (field, bad)
+            assert "expected a" in info.value.reason and "number in" in info.value.reason
 
 
 def test_the_largest_size_is_accepted() -> None:

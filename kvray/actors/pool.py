@@ -374,8 +374,9 @@ class BlockPool:
         """Before the pool is killed (``kvray.stop``): stop spilling, let queued writes finish
         for up to ``timeout`` s, release the disk slot; with ``purge``, first delete every
         file of the namespace on this host. Returns the files deleted (0 without a tier)."""
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-            raise InvalidArgumentError(f"close_disk: timeout must be seconds >= 0: {timeout!r}")
+        number = not isinstance(timeout, bool) and isinstance(timeout, int | float)
+        if not number or not 0 <= timeout <= 3600:  # NaN, infinity: every wait has a bound
+            raise InvalidArgumentError(f"close_disk: timeout must be in [0, 3600] s: {timeout!r}")
         if self._tiering is None:
             return 0
         return self._tiering.close(bool(purge), float(timeout))

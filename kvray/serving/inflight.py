@@ -21,13 +21,12 @@ Thread-safe (one lock, no I/O under it).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvray.config import ConfigError
+from kvray.config import check_number
 
 __all__ = ["InFlight", "Unsent"]
 
@@ -42,12 +41,10 @@ class InFlight:
 
     def __init__(self, ttl_s: float = TTL_S, max_blocks: int = MAX_BLOCKS) -> None:
         """``ttl_s``: the router's ``inflight_s`` (a ConfigError names it when invalid)."""
-        number = not isinstance(ttl_s, bool) and isinstance(ttl_s, int | float)
-        if not number or not 0 <= ttl_s < math.inf:
-            raise ConfigError("inflight_s", ttl_s, "expected a finite number >= 0")
+        ttl = check_number(ttl_s, "inflight_s", unit="seconds")
         if max_blocks < 1:
             raise ValueError(f"InFlight(max_blocks={max_blocks}): expected at least 1")
-        self.ttl_s = float(ttl_s)
+        self.ttl_s = ttl
         self.max_blocks = int(max_blocks)
         self._lock = threading.Lock()
         #: block id -> replica key -> expiry (monotonic seconds)

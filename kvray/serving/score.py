@@ -29,13 +29,12 @@ power of two choices (the shorter queue of two sampled).
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from kvray.config import ConfigError
+from kvray.config import ConfigError, check_number
 
 __all__ = ["Candidate", "Tiers", "Weights", "pick", "split_tiers"]
 
@@ -55,12 +54,9 @@ class Weights:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise ConfigError(f"weights.{f.name}", v, "expected a finite number")
-            if v < 0:
-                raise ConfigError(f"weights.{f.name}", v, "must not be negative")
-            object.__setattr__(self, f.name, float(v))
+            object.__setattr__(
+                self, f.name, check_number(getattr(self, f.name), f"weights.{f.name}")
+            )
 
     @classmethod
     def of(cls, values: Mapping[str, Any] | None) -> Weights:
