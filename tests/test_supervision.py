@@ -363,3 +363,18 @@ def test_a_feed_that_keeps_dying_clears_its_view_and_closes_the_store(kvray_ns: 
             store.put([b"dead-more"], [np.ones(8, dtype=np.uint8)])
     finally:
         store.close()
+
+
+def test_close_disk_and_watch_refuse_an_unbounded_wait(pool: BlockPool) -> None:
+    """An infinite or NaN timeout is refused up front (every wait has a bound)."""
+    from rich.console import Console
+
+    from kvray.errors import InvalidArgumentError
+    from kvray.watch import watch
+
+    for bad in (float("inf"), float("nan"), -1, True, "10"):
+        with pytest.raises(InvalidArgumentError, match="close_disk: timeout"):
+            pool.close_disk(timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(kvray.ConfigError, match="timeout_s="):
+            watch(None, Console(), timeout_s=bad, frames=1)  # type: ignore[arg-type]
+    assert pool.close_disk(timeout=0) == 0  # the tier is not started: nothing deleted
