@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from vllm_helpers import finish_delayed_frees, full_hit_tokens, in_process_engines
+from vllm_helpers import (
+    finish_delayed_frees,
+    full_hit_blocks,
+    full_hit_tokens,
+    in_process_engines,
+)
 
 from kvray.connector.paged import PagedCopier
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
@@ -422,6 +427,11 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
         assert own["cached"][0] == 0  # (the second prompt shares the first in vLLM's cache)
         assert loaded["tokens"] == own["tokens"] == a1["tokens"]
         assert b["cross_tp_hit_tokens"] >= full_hit_tokens(p1[0]) and b["failed_blocks"] == 0
+        # The engine tier at TP=2: one engine, one reporter (its scheduler's), not one per rank;
+        # what its cache holds of the last prompts reaches the index the router reads.
+        tier = b["engine_tier"]
+        assert tier["replicas"] == 1, tier
+        assert tier["prefix"] == [full_hit_blocks(p) for p in p2], tier
         r0, r1 = (r["recorded"] for r in b["ranks"])
         assert [r["heads"] for r in b["ranks"]] == [[0, 1], [1, 2]]
         assert all(r["writes"] for r in b["ranks"])
