@@ -59,10 +59,14 @@ class Store:
     """A connection to one kvray namespace. Thread-safe; cheap to keep for a process' life.
 
     ``subscribe=False`` gives a store without a view (no feed thread): it can put and read
-    from given locations (:meth:`fetch_from`), not look up.
+    from given locations (:meth:`fetch_from`), not look up. ``engine_view=False``: the view
+    leaves out the engine tier (what each engine's own cache holds: routers read it, lookups
+    never do), so the feed carries none of the engines' churn.
     """
 
-    def __init__(self, config: KVRayConfig, *, subscribe: bool = True) -> None:
+    def __init__(
+        self, config: KVRayConfig, *, subscribe: bool = True, engine_view: bool = True
+    ) -> None:
         self.config = config
         ensure_ray(config.address)
         control = get_control(config.namespace)
@@ -81,23 +85,26 @@ class Store:
         self.feed: Subscriber | None = None
         if subscribe:
             try:
-                self.subscribe()
+                self.subscribe(engine_view)
             except Exception:
                 self.io.close()
                 raise
         # Closed at exit before Ray shuts down, unless closed before (kvray.shutdown).
         shutdown.track(self)
 
-    def subscribe(self) -> None:
-        """Keep a view of the index from now on (a no-op if the store already does)."""
+    def subscribe(self, engine_view: bool = True) -> None:
+        """Keep a view of the index from now on (with the engine tier if ``engine_view``;
+        a store that keeps one already adds the engine tier when asked, never drops it)."""
         if self.feed is not None:
+            if engine_view:
+                self.feed.include_engine_tier()
             return
         cfg = self.config
         handles = [
             ray.get_actor(index_name(cfg.namespace, i), namespace=RAY_NAMESPACE)
             for i in range(self.num_index_shards)
         ]
-        feed = Subscriber(cfg.namespace, handles, cfg.get_timeout_s)
+        feed = Subscriber(cfg.namespace, handles, cfg.get_timeout_s, engine_view=engine_view)
         feed.start()
         self.feed = self.tally.feed = feed
 
@@ -391,10 +398,14 @@ class Store:
 
 
 def connect(
-    namespace: str = "default", config: KVRayConfig | None = None, *, subscribe: bool = True
+    namespace: str = "default",
+    config: KVRayConfig | None = None,
+    *,
+    subscribe: bool = True,
+    engine_view: bool = True,
 ) -> Store:
-    """Connect to a running kvray namespace (``kvray.start`` first)."""
+    """Connect to a running kvray namespace (``kvray.start`` first); see :class:`Store`."""
     cfg = config or KVRayConfig(namespace=namespace)
     if config is not None and namespace != "default" and config.namespace != namespace:
         cfg = config.replace(namespace=namespace)
-    return Store(cfg, subscribe=subscribe)
+    return Store(cfg, subscribe=subscribe, engine_view=engine_view)

@@ -63,6 +63,8 @@ class _Shard:
         self.retry_at = 0.0
         self.next_poll = 0.0
         self.cleared = False
+        #: Whether the poll in flight asked for the engine tier.
+        self.asked_engine = False
 
 
 class Subscriber:
@@ -73,8 +75,18 @@ class Subscriber:
         namespace: str,
         handles: list[IndexHandle],
         get_timeout_s: float,
+        *,
+        engine_view: bool = True,
     ) -> None:
+        """``engine_view``: the view also keeps the engine tier (routers read it; a vLLM
+        scheduler, which only looks up loadable blocks, does not: its feed then carries
+        none of the engines' cache churn and is not woken by it)."""
         self.namespace = namespace
+        self.engine_view = engine_view
+        #: Shards whose next answer must be a snapshot (the engine tier was switched on).
+        self._resnap: set[int] = set()
+        #: Answers applied (each a wake-up of this thread).
+        self.answers = 0
         self.view = LocalView(len(handles))
         self._shards = [_Shard(i, index_name(namespace, i)) for i in range(len(handles))]
         self._handles: HandleCache[IndexShard] = HandleCache()
@@ -102,7 +114,8 @@ class Subscriber:
         """Take a first snapshot of every shard (so lookups work at once), then subscribe."""
         warm_up()  # numba's import and kernel loads now, not in the first request's lookup
         refs = [
-            self._handle(s).changes.remote(self.view.epochs[s.index], -1, 0.0) for s in self._shards
+            self._handle(s).changes.remote(self.view.epochs[s.index], -1, 0.0, self.engine_view)
+            for s in self._shards
         ]
         snapshots: list[Changes] = ray.get(refs, timeout=self._timeout)
         if any(ch.stopped for ch in snapshots):
@@ -151,9 +164,22 @@ class Subscriber:
             raise StoreUnavailableError(f"kvray: index shard {s.name} is not running")
         return h
 
+    def include_engine_tier(self) -> None:
+        """Keep the engine tier from now on (a store without it, shared with a router): the
+        next answer of every shard is a snapshot with it."""
+        with self._cv:
+            if not self.engine_view:
+                self.engine_view = True
+                self._resnap = set(range(len(self._shards)))
+
     def _poll(self, s: _Shard) -> ObjectRef[Changes]:
         v = self.view
-        return self._handle(s).changes.remote(v.epochs[s.index], v.seqs[s.index], POLL_WAIT_S)
+        with self._cv:
+            engine, epoch = self.engine_view, v.epochs[s.index]
+            if s.index in self._resnap:
+                epoch = ""  # not the shard's epoch: it answers a snapshot
+        s.asked_engine = engine
+        return self._handle(s).changes.remote(epoch, v.seqs[s.index], POLL_WAIT_S, engine)
 
     def _run(self) -> None:
         pending: dict[ObjectRef[Changes], _Shard] = {}
@@ -222,6 +248,9 @@ class Subscriber:
             return
         with self._cv:
             self.view.apply(ch)
+            self.answers += 1
+            if ch.snapshot and s.asked_engine:
+                self._resnap.discard(s.index)
             self._cv.notify_all()
         if s.failures or s.cleared:
             logger.info("kvray: index shard %d of %r answers again", s.index, self.namespace)
@@ -256,7 +285,7 @@ class Subscriber:
             )
         deadline = time.monotonic() + timeout
         try:
-            refs = [self._handle(s).barrier.remote(timeout) for s in self._shards]
+            refs = [self._handle(s).barrier.remote(timeout, self.engine_view) for s in self._shards]
             marks = ray.get(refs, timeout=timeout + 5)
         except Exception as e:
             for s in self._shards:

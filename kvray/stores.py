@@ -25,16 +25,22 @@ _shared: dict[KVRayConfig, tuple[Store, int]] = {}
 _lock = threading.Lock()
 
 
-def acquire(config: KVRayConfig, connect: Callable[[], Store], *, subscribe: bool = True) -> Store:
+def acquire(
+    config: KVRayConfig,
+    connect: Callable[[], Store],
+    *,
+    subscribe: bool = True,
+    engine_view: bool = True,
+) -> Store:
     """The process's open store for ``config``, or a new one from ``connect()`` (a closed one,
     e.g. after ``kvray.stop``, is replaced). ``subscribe``: the store keeps a view of the index
-    from now on. Give it back with :func:`release`."""
+    from now on (``engine_view``: with the engine tier). Give it back with :func:`release`."""
     with _lock:
         entry = _shared.get(config)
         if entry is not None and not entry[0].closed:
             store, refs = entry
             if subscribe:
-                store.subscribe()
+                store.subscribe(engine_view)
             _shared[config] = (store, refs + 1)
             return store
         store = connect()

@@ -11,6 +11,10 @@
    scheduler does every step) -> the block shows in this process's view (after the index
    shard, the change feed's long poll), while the other 15 engines churn ``--churn`` events/s
    each. Percentiles over ``--samples`` samples.
+3. What the churn costs a process that does not route (a vLLM scheduler, whose connector opens
+   its store with ``engine_view=False``) against one that keeps the engine tier: its feed's
+   answers a second (each a long poll answered, an actor call, a wake-up) over 3 s of the
+   churn, and its view's bytes.
 
 Last lines: ``routing_overhead_ms p50=.. p99=..`` and ``event_to_routable_ms p50=.. p99=..``.
 """
@@ -58,6 +62,7 @@ def main() -> None:
     ns = f"br{uuid.uuid4().hex[:6]}"
     kvray.start(namespace=ns, capacity="256MiB")
     store = kvray.connect(ns)
+    sched = kvray.connect(ns, engine_view=False)  # as a vLLM scheduler's connector opens it
     node = ray.get_runtime_context().get_node_id()
     hasher = BlockHasher(KeySpaceInfo("m", 32, "sha256", [b"bench-prefix"], node))
     rng = random.Random(0)
@@ -166,14 +171,30 @@ def main() -> None:
             assert time.perf_counter() - t0 < 10, "never routable"
         lags.append((time.perf_counter() - t0) * 1e3)
         time.sleep(rng.random() * 0.02)
+    # ---------------------------------------------------------------- a scheduler's feed
+    assert store.feed is not None and sched.feed is not None
+    a0, b0, t0 = store.feed.answers, sched.feed.answers, time.monotonic()
+    time.sleep(3.0)
+    secs = time.monotonic() - t0
+    with_rate = (store.feed.answers - a0) / secs
+    without_rate = (sched.feed.answers - b0) / secs
+    sv = sched.local_view()
+    with_bytes, with_rows = view.nbytes + view.engine.nbytes, len(view.engine)
+    without_bytes, without_rows = sv.nbytes + sv.engine.nbytes, len(sv.engine)
     stop.set()
     for rep in reps:
         rep.close()
+    sched.close()
     store.close()
     kvray.stop(ns)
     print(
         f"config tokens={args.tokens} blocks={n} replicas={args.replicas} "
         f"engine_blocks={args.engine_blocks} churn={args.churn}/s/engine"
+    )
+    print(
+        f"feed answers/s with the engine tier {with_rate:.1f}, without {without_rate:.1f}; "
+        f"view bytes with {with_bytes} ({with_rows} engine rows), without {without_bytes} "
+        f"({without_rows})"
     )
     print(
         f"routing_overhead_ms p50={_pct(ms, 50):.3f} p99={_pct(ms, 99):.3f} "

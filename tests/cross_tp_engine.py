@@ -98,32 +98,44 @@ def encode(records: dict[str, dict[str, bytes]]) -> dict[str, dict[str, str]]:
     return {k: {h: base64.b64encode(v).decode() for h, v in d.items()} for k, d in records.items()}
 
 
-def engine_tier_of(connector: Any, prompts: list[list[int]], timeout: float = 20.0) -> dict:
-    """What kvray's index says this engine's own KV cache holds, as the router reads it: the
-    replicas reporting under this engine's key (one per engine, whatever its TP size) and, per
-    prompt, the leading blocks held (waiting, bounded, until every prompt's full blocks are
-    there: the reporter sends within milliseconds, the feed brings them back)."""
+def engine_tier_of(
+    connector: Any, namespace: str, prompts: list[list[int]], timeout: float = 20.0
+) -> dict:
+    """What kvray's index says this engine's own KV cache holds, read as a router reads it
+    (a store of its own, with the engine tier): the replicas reporting under this engine's key
+    (one per engine, whatever its TP size) and, per prompt, the leading blocks held (waiting,
+    bounded, until every prompt's full blocks are there). Also the engine tier's rows in the
+    scheduler's own view (none: the connector's store leaves it out)."""
     import time
 
     from vllm_helpers import block_hashes
 
+    import kvray
     from kvray.meta.ids import engine_ids
 
     reporter = connector.engine_reporter
+    own = connector.store.local_view()
+    out: dict[str, Any] = {"scheduler_view_rows": len(own.engine) + len(own.replicas)}
     if reporter is None:
-        return {"key": None, "replicas": 0, "prefix": []}
+        return {**out, "key": None, "replicas": 0, "prefix": []}
     want = [len(block_hashes(p)) for p in prompts]
-    deadline = time.monotonic() + timeout
-    while True:
-        view = connector.store.local_view()
-        slots = [slot for slot, info in view.replicas.items() if info.key == reporter.key]
-        prefix = [
-            int(view.engine.prefix_by_slot(engine_ids(block_hashes(p)))[slots[0]]) if slots else 0
-            for p in prompts
-        ]
-        if (slots and prefix == want) or time.monotonic() > deadline:
-            return {"key": reporter.key, "replicas": len(slots), "prefix": prefix}
-        time.sleep(0.05)
+    store = kvray.connect(namespace)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            view = store.local_view()
+            slots = [slot for slot, info in view.replicas.items() if info.key == reporter.key]
+            prefix = [
+                int(view.engine.prefix_by_slot(engine_ids(block_hashes(p)))[slots[0]])
+                if slots
+                else 0
+                for p in prompts
+            ]
+            if (slots and prefix == want) or time.monotonic() > deadline:
+                return {**out, "key": reporter.key, "replicas": len(slots), "prefix": prefix}
+            time.sleep(0.05)
+    finally:
+        store.close()
 
 
 def decode(records: dict[str, dict[str, str]]) -> dict[str, dict[str, bytes]]:
@@ -180,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     sched.store.sync()
     s = sched.scheduler
     last = json.loads(Path(args.steps).read_text())[-1]
-    engine_tier = engine_tier_of(sched, [] if last.get("salt") else last["prompts"])
+    engine_tier = engine_tier_of(sched, args.namespace, [] if last.get("salt") else last["prompts"])
     out = {
         "steps": steps,
         "hit_tokens": s.hit_tokens,

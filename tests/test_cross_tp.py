@@ -432,6 +432,7 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
         tier = b["engine_tier"]
         assert tier["replicas"] == 1, tier
         assert tier["prefix"] == [full_hit_blocks(p) for p in p2], tier
+        assert tier["scheduler_view_rows"] == 0, tier  # the scheduler's view keeps none of it
         r0, r1 = (r["recorded"] for r in b["ranks"])
         assert [r["heads"] for r in b["ranks"]] == [[0, 1], [1, 2]]
         assert all(r["writes"] for r in b["ranks"])

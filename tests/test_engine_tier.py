@@ -89,6 +89,70 @@ def test_view_applies_records_snapshots_and_stays_in_budget() -> None:
     assert len(v) < MAX_REPLICAS * 5000
 
 
+def test_a_long_poll_without_the_engine_tier_waits_past_engine_records() -> None:
+    """The change log's long poll: with the engine tier, an engine record answers it; without,
+    engine records are left out and waited past (the answer still reaches their seq), a CPU
+    record answers at once, and a notice (health, stop) or falling behind the log ends it."""
+    import asyncio
+
+    from kvray.actors import changelog
+    from kvray.actors.changelog import ChangeLog
+    from kvray.meta.holders import Diff
+
+    def cpu(i: int) -> Diff:
+        return Diff(np.array([i], dtype=np.uint64), np.array([1], dtype=np.uint16))
+
+    def eng(i: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.array([i], dtype=np.uint64), np.array([1], dtype=np.uint64)
+
+    tasks: list[asyncio.Future[None]] = []
+
+    async def later(delay: float, action: Any) -> None:
+        await asyncio.sleep(delay)
+        action()
+
+    def soon(delay: float, action: Any) -> None:
+        tasks.append(asyncio.ensure_future(later(delay, action)))
+
+    async def scenario() -> None:
+        log = ChangeLog()
+        loop = asyncio.get_running_loop()
+        # With the engine tier: the engine record answers.
+        soon(0.05, lambda: log.record_engine(*eng(1)))
+        t0 = loop.time()
+        ids, _, eids, _, seq = await log.poll(0, 5.0)  # type: ignore[misc]
+        assert loop.time() - t0 < 2.0 and eids.tolist() == [1] and ids.size == 0 and seq == 1
+        # Without: engine records are waited past; the CPU record after them answers, alone.
+        for i in range(3):
+            soon(0.02 * (i + 1), lambda i=i: log.record_engine(*eng(i)))
+        soon(0.2, lambda: log.record(cpu(7)))
+        t0 = loop.time()
+        ids, _, eids, _, seq = await log.poll(1, 5.0, engine=False)  # type: ignore[misc]
+        took = loop.time() - t0
+        assert 0.15 < took < 2.0 and ids.tolist() == [7] and eids.size == 0 and seq == log.seq
+        # Only engine records: the whole wait, then an empty answer at their seq.
+        soon(0.02, lambda: log.record_engine(*eng(9)))
+        t0 = loop.time()
+        ids, _, eids, _, seq = await log.poll(log.seq, 0.3, engine=False)  # type: ignore[misc]
+        assert loop.time() - t0 >= 0.29 and ids.size == eids.size == 0 and seq == log.seq
+        # A notice (a pool's health changed, a stop) answers at once; falling behind the log
+        # answers None (a snapshot).
+        soon(0.05, log.notify)
+        t0 = loop.time()
+        ids, _, eids, _, _ = await log.poll(log.seq, 5.0, engine=False)  # type: ignore[misc]
+        assert loop.time() - t0 < 2.0 and ids.size == eids.size == 0
+        old = changelog.MAX_LOG_ENTRIES
+        changelog.MAX_LOG_ENTRIES = 2
+        try:
+            behind = log.seq
+            soon(0.02, lambda: [log.record_engine(*eng(i)) for i in range(4)])
+            assert await log.poll(behind, 5.0, engine=False) is None
+        finally:
+            changelog.MAX_LOG_ENTRIES = old
+
+    asyncio.run(scenario())
+
+
 def test_score_prefers_engine_then_node_then_remote_and_yields_to_load() -> None:
     w = Weights()
     n = 10
@@ -226,6 +290,50 @@ def test_reports_reach_another_view_evictions_and_stops_remove_them(kvray_ns: st
         assert len(store.local_view().engine) == 12  # only the ids injected above
     finally:
         store.close()
+
+
+def test_a_view_without_the_engine_tier_is_neither_fed_nor_woken_by_engine_churn(
+    kvray_ns: str,
+) -> None:
+    """A vLLM scheduler's store (``engine_view=False``, what the connector opens) keeps no
+    engine rows and its long polls sleep through the engines' churn; a router's store gets
+    every report; switched on later (a store shared with a router), a snapshot brings it."""
+    pytest.importorskip("vllm")
+    from kvray.feed import POLL_WAIT_S
+
+    router = kvray.connect(kvray_ns)
+    sched = kvray.connect(kvray_ns, engine_view=False)
+    rep = _reporter(kvray_ns, "replica-churn")
+    try:
+        assert router.feed is not None and sched.feed is not None
+        a0, b0, t0 = router.feed.answers, sched.feed.answers, time.monotonic()
+        for i in range(40):  # one engine's reports, 25 ms apart: engine churn only
+            rep.observe(_events(stored=_hashes(4, 100 + i)))
+            assert rep.flush()
+            time.sleep(0.025)
+        last = _hashes(4, 139)
+        _until(lambda: _engine_prefix(router, "replica-churn", last) == 4, "report", 10)
+        elapsed = time.monotonic() - t0
+        woke_router, woke_sched = router.feed.answers - a0, sched.feed.answers - b0
+        print(
+            f"{elapsed:.2f} s of churn: the router's feed woke {woke_router}x, "
+            f"the scheduler's {woke_sched}x"
+        )
+        view = sched.local_view()
+        assert len(view.engine) == 0 and view.replicas == {}
+        assert woke_router >= 10
+        assert woke_sched <= sched.num_index_shards * (elapsed / POLL_WAIT_S + 2)
+        # The CPU tier still reaches it.
+        keys = [b"churn" + h for h in last]
+        sched.put(keys, np.ones((4, 64), dtype=np.uint8)).result(timeout=30)
+        _until(lambda: sched.lookup(keys) == 4, "a stored block in the scheduler's view", 10)
+        # Switched on: the next answers are snapshots with the engine tier.
+        sched.subscribe(engine_view=True)
+        _until(lambda: _engine_prefix(sched, "replica-churn", last) == 4, "switched on", 10)
+    finally:
+        rep.close()
+        router.close()
+        sched.close()
 
 
 @ray.remote(num_cpus=0)

@@ -110,6 +110,7 @@ class IndexShard:
         snapshot: bool,
         engine: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> Changes:
+        """``engine``: the engine tier's records (None: a reply without the engine tier)."""
         tuples = self._holders.placements.tuples
         eids, emasks = engine if engine is not None else (ids[:0], ids[:0])
         codes = np.unique(locs[locs >= PLACEMENT_BASE]).tolist() if locs.size else []
@@ -125,7 +126,7 @@ class IndexShard:
             snapshot=snapshot,
             engine_ids=eids,
             engine_masks=emasks,
-            replicas=self._engines.replicas(),
+            replicas=self._engines.replicas() if engine is not None else {},
         )
 
     def _stopped(self) -> Changes:
@@ -139,26 +140,27 @@ class IndexShard:
             stopped=True,
         )
 
-    async def changes(self, epoch: str, since: int, wait_s: float = 1.0) -> Changes:
-        """Records after ``since``; waits up to ``wait_s`` for one (a long poll, not a spin)."""
+    async def changes(
+        self, epoch: str, since: int, wait_s: float = 1.0, engine: bool = True
+    ) -> Changes:
+        """Records after ``since``; waits up to ``wait_s`` for one (a long poll, not a spin).
+        ``engine=False``: without the engine tier (a subscriber that does not route)."""
         if self._stopping:
             return self._stopped()
         if epoch != self._epoch or since < self._feed.floor or since > self._feed.seq:
-            return self._snapshot()
-        if since == self._feed.seq and wait_s > 0:
-            event = self._feed.event()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=wait_s)
-            if self._stopping:
-                return self._stopped()
-            if since < self._feed.floor:
-                return self._snapshot()
-        ids, locs, eids, emasks, seq = self._feed.read(since)
-        return self._reply(ids, locs, seq, snapshot=False, engine=(eids, emasks))
+            return self._snapshot(engine)
+        got = await self._feed.poll(since, wait_s, engine=engine)
+        if self._stopping:
+            return self._stopped()
+        if got is None:
+            return self._snapshot(engine)
+        ids, locs, eids, emasks, seq = got
+        return self._reply(ids, locs, seq, False, engine=(eids, emasks) if engine else None)
 
-    def _snapshot(self) -> Changes:
+    def _snapshot(self, engine: bool = True) -> Changes:
         ids, locs = self._holders.visible()
-        return self._reply(ids, locs, self._feed.seq, True, engine=self._engines.holders.items())
+        tier = self._engines.holders.items() if engine else None
+        return self._reply(ids, locs, self._feed.seq, True, engine=tier)
 
     # ------------------------------------------------------------------ engine tier
     def engine_register(self, key: str, node_id: str, incarnation: str) -> int:
@@ -174,8 +176,10 @@ class IndexShard:
     def engine_drop(self, slot: int, incarnation: str) -> None:
         self._engines.drop(slot, incarnation)
 
-    async def barrier(self, timeout: float = 10.0) -> tuple[str, int]:
-        """(epoch, seq) once every update a healthy pool sent before this call is applied.
+    async def barrier(self, timeout: float = 10.0, engine: bool = True) -> tuple[str, int]:
+        """(epoch, seq) once every update a healthy pool sent before this call is applied
+        (``engine=False``: the seq of the last CPU-tier record, what a feed without the engine
+        tier reaches without waiting for later engine records).
 
         Pool updates are fire-and-forget, so "the index knows" lags "the pool stored" by a
         message; tools and tests that need read-your-writes across processes wait here.
@@ -198,7 +202,7 @@ class IndexShard:
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._feed.event().wait(), timeout=left)
-        return self._epoch, self._feed.seq
+        return self._epoch, self._feed.seq if engine else self._feed.cpu_seq
 
     # ------------------------------------------------------------------ updates from pools
     async def update(self, slot: int, incarnation: str, version: int, batch: ShardBatch) -> None:

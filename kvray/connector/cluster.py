@@ -50,8 +50,14 @@ def open_store(config: KVRayConfig, *, subscribe: bool = True, retries: int = 3)
     """The process's store client for ``config`` (joining the cluster and starting kvray in
     the namespace if needed), shared through :mod:`kvray.stores`; give it back with
     :func:`close_store`. ``subscribe``: the store keeps a view of the index (a scheduler does;
-    a worker does not, unless it shares the process with a scheduler)."""
-    return stores.acquire(config, lambda: _connect(config, retries, subscribe), subscribe=subscribe)
+    a worker does not, unless it shares the process with a scheduler); without the engine tier:
+    the connector's lookups never read it (routers do, from their own store)."""
+    return stores.acquire(
+        config,
+        lambda: _connect(config, retries, subscribe),
+        subscribe=subscribe,
+        engine_view=False,
+    )
 
 
 def close_store(store: Store) -> None:
@@ -66,7 +72,7 @@ def _connect(config: KVRayConfig, retries: int, subscribe: bool) -> Store:
     last: Exception | None = None
     for attempt in range(retries):
         try:
-            return kvray.connect(config.namespace, config, subscribe=subscribe)
+            return kvray.connect(config.namespace, config, subscribe=subscribe, engine_view=False)
         except NotStartedError as e:
             last = e
             if not config.auto_start:
