@@ -179,8 +179,8 @@ def main() -> None:
     with_rate = (store.feed.answers - a0) / secs
     without_rate = (sched.feed.answers - b0) / secs
     sv = sched.local_view()
-    with_bytes, with_rows = view.nbytes + view.engine.nbytes, len(view.engine)
-    without_bytes, without_rows = sv.nbytes + sv.engine.nbytes, len(sv.engine)
+    with_bytes, with_rows = view.nbytes, len(view.engine)
+    without_bytes, without_rows = sv.nbytes, len(sv.engine)
     stop.set()
     for rep in reps:
         rep.close()

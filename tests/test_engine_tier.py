@@ -87,6 +87,22 @@ def test_view_applies_records_snapshots_and_stays_in_budget() -> None:
     assert v.masks(ids).tolist() == [1, 0, 3]
     v.load_shard(0, np.zeros(0, np.uint64), np.zeros(0, np.uint64))  # shard 0's range gone
     assert len(v) < MAX_REPLICAS * 5000
+    # A process's view counts the engine tier in its bytes (metric kvray_view_bytes).
+    from kvray.meta.messages import Changes
+    from kvray.meta.view import LocalView
+
+    view = LocalView(1)
+    eids = rng.integers(2, 2**63, 100_000, dtype=np.uint64)
+    none = np.zeros(0, dtype=np.uint64)
+    view.load(
+        [
+            Changes(
+                shard=0, epoch="e", seq=1, ids=none, locs=none.astype(np.uint16), snapshot=True,
+                engine_ids=eids, engine_masks=np.ones(eids.size, dtype=np.uint64),
+            )
+        ]
+    )  # fmt: skip
+    assert len(view.engine) == eids.size and view.nbytes >= 16 * eids.size
 
 
 def test_a_long_poll_without_the_engine_tier_waits_past_engine_records() -> None:

@@ -50,7 +50,8 @@ class LocalView:
 
     @property
     def nbytes(self) -> int:
-        return self.table.nbytes
+        """Memory of the view: the CPU tier's table and the engine tier's."""
+        return self.table.nbytes + self.engine.nbytes
 
     # ------------------------------------------------------------------ writes (feed thread)
     def apply(self, ch: Changes) -> None:
