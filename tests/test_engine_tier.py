@@ -337,7 +337,7 @@ def test_a_view_without_the_engine_tier_is_neither_fed_nor_woken_by_engine_churn
         )
         view = sched.local_view()
         assert len(view.engine) == 0 and view.replicas == {}
-        assert woke_router >= 10
+        assert woke_router >= 5  # 40 reports (answers batch those that pile up in 10 ms)
         assert woke_sched <= sched.num_index_shards * (elapsed / POLL_WAIT_S + 2)
         # The CPU tier still reaches it.
         keys = [b"churn" + h for h in last]
