@@ -124,13 +124,9 @@ def engine_tier_of(
         deadline = time.monotonic() + timeout
         while True:
             view = store.local_view()
-            slots = [slot for slot, info in view.replicas.items() if info.key == reporter.key]
-            prefix = [
-                int(view.engine.prefix_by_slot(engine_ids(block_hashes(p)))[slots[0]])
-                if slots
-                else 0
-                for p in prompts
-            ]
+            slots = [info for info in view.replicas.values() if info.key == reporter.key]
+            held = [view.engine_prefix(engine_ids(block_hashes(p))) for p in prompts]
+            prefix = [h.get(reporter.key, (0, 0.0))[0] for h in held]
             if (slots and prefix == want) or time.monotonic() > deadline:
                 return {**out, "key": reporter.key, "replicas": len(slots), "prefix": prefix}
             time.sleep(0.05)
@@ -173,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     sched = connector_of(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     steps = []
-    for step in json.loads(Path(args.steps).read_text()):
+    plan = json.loads(Path(args.steps).read_text())
+    for step in plan:
         if step.get("reset"):
             finish_delayed_frees(llm)
             llm.reset_prefix_cache()
@@ -191,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     ranks = llm.collective_rpc(me.rank_report)
     sched.store.sync()
     s = sched.scheduler
-    last = json.loads(Path(args.steps).read_text())[-1]
+    last = plan[-1]
     engine_tier = engine_tier_of(sched, args.namespace, [] if last.get("salt") else last["prompts"])
     out = {
         "steps": steps,

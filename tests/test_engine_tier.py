@@ -222,11 +222,8 @@ def _events(
 
 
 def _engine_prefix(store: kvray.Store, key: str, hashes: list[bytes]) -> int | None:
-    view = store.local_view()
-    slots = {info.key: slot for slot, info in view.replicas.items()}
-    if key not in slots:
-        return None
-    return int(view.engine.prefix_by_slot(engine_ids(hashes))[slots[key]])
+    held = store.local_view().engine_prefix(engine_ids(hashes))
+    return held[key][0] if key in held else None
 
 
 def _until(cond: Any, what: str, timeout: float) -> float:

@@ -504,9 +504,8 @@ def _engine_held(store: kvray.Store, ns: str, tokens: list[int]) -> dict[str, in
     """Per replica (Serve's unique id): leading blocks of ``tokens`` in its engine cache."""
     from kvray.meta.ids import engine_ids
 
-    view = store.local_view()
-    counts = view.engine.prefix_by_slot(engine_ids(_hasher(ns).block_hashes(tokens)))
-    return {info.key: int(counts[slot]) for slot, info in view.replicas.items()}
+    held = store.local_view().engine_prefix(engine_ids(_hasher(ns).block_hashes(tokens)))
+    return {key: n for key, (n, _) in held.items()}
 
 
 def _wait_engine(store: kvray.Store, ns: str, tokens: list[int], cond: Any) -> dict[str, int]:

@@ -78,7 +78,7 @@ class ChangeLog:
             self.floor += 1
         self._wake()
 
-    def read(self, since: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    def read(self, since: int) -> Records:
         """The records after ``since`` (``floor <= since <= seq``) as arrays (ids, locs,
         engine ids, engine masks), at most about ``MAX_REPLY_ENTRIES`` entries, and the seq
         they reach."""

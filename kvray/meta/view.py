@@ -141,6 +141,12 @@ class LocalView:
     def contains(self, ids: np.ndarray) -> np.ndarray:
         return self.table.contains(ids)
 
+    def engine_prefix(self, ids: np.ndarray) -> dict[str, tuple[int, float]]:
+        """Per reporting engine (its key): how many leading blocks of ``ids`` (engine ids) its
+        own cache holds, and its KV usage (the engine tier: for routing, never a load)."""
+        counts = self.engine.prefix_by_slot(ids)
+        return {info.key: (int(counts[slot]), info.usage) for slot, info in self.replicas.items()}
+
     def locs(self, ids: np.ndarray) -> np.ndarray:
         """Location code of each id (0: not visible, or not yet)."""
         return self.table.get(ids, "loc")[1]

@@ -143,8 +143,7 @@ class PromptTiers:
         by_node = held_blocks_by_node(store.prefix_by_node, per_shard)
         anywhere = min(view.lookup(key_ids(keys)) for keys in per_shard)
         ids = engine_ids(hashes)
-        counts = view.engine.prefix_by_slot(ids)
-        engine = {info.key: (int(counts[slot]), info.usage) for slot, info in view.replicas.items()}
+        engine = view.engine_prefix(ids)
         return cls(len(hashes), engine, by_node, anywhere, tuple(ids.tolist()))
 
 
