@@ -113,6 +113,7 @@ def _ray_load(
         "--isl", str(a.isl), "--hit-rate", str(hit_rate), "--num-turns", str(turns),
         "--osl", str(a.osl), "--num-sessions", str(sessions),
         "--concurrency", str(a.concurrency), "--seed", str(seed),
+        "--think-time", str(a.think_time),
         "--warmup-jitter-max", "0", "--save-result", str(out),
     ]  # fmt: skip
 
@@ -333,7 +334,8 @@ def _med(rows: list[dict[str, Any]], key: str) -> float:
 def _report(results: dict[tuple[str, float], list[dict[str, Any]]], a: argparse.Namespace) -> None:
     print(
         f"\nbench_serve: Ray's multi-turn benchmark, {a.sessions} sessions x {a.turns} turns, "
-        f"ISL {a.isl}, OSL {a.osl}, concurrency {a.concurrency}; {a.replicas} replicas on a "
+        f"ISL {a.isl}, OSL {a.osl}, concurrency {a.concurrency}, think time {a.think_time:g} s; "
+        f"{a.replicas} replicas on a "
         f"simulated 2-node cluster, model {a.model}, KV cache {a.kv_tokens} tokens per "
         f"replica; medians of {a.repeats}"
     )
@@ -415,6 +417,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--isl", type=int, default=1500)
     ap.add_argument("--osl", type=int, default=16)
+    ap.add_argument("--think-time", type=float, default=0.0,
+                    help="seconds a multi-turn session waits between turns (Ray's "
+                    "--think-time): 0 is a closed loop that keeps the box saturated")  # fmt: skip
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
                     help="a replica's engine cache in tokens (and max model length)")  # fmt: skip
@@ -489,7 +494,7 @@ def main() -> None:
                 serve.run(app, name=APP, route_prefix="/")
                 print(f"# repeat {r} {cfg}: app up in {time.perf_counter() - t0:.0f} s", flush=True)
                 # Untimed: first-request costs are nobody's TTFT.
-                warm = {"sessions": 1, "turns": 2, "isl": 200, "concurrency": 2}
+                warm = {"sessions": 1, "turns": 2, "isl": 200, "concurrency": 2, "think_time": 0.0}
                 warm_args = argparse.Namespace(**{**vars(a), **warm})
                 warm_out = work / f"warm{r}{cfg}.json"
                 _load(_ray_load(port, model, 10_000 + r, 0.0, warm_args, warm_out), warm_out)
