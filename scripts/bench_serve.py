@@ -34,8 +34,14 @@ with it; prompt tokens computed per request against the app without kvray). The 
 router's issue:
 
     python scripts/bench_serve.py --repeats 3 --replicas 4 --kv-tokens 2048 --concurrency 8 \
-        --sessions 8 --configs off-pow2,off,kvray-pow2,kvray-prefix,kvray \
+        --sessions 16 --think-time 2 --configs off-pow2,off,kvray-pow2,kvray-prefix,kvray \
         --workloads multi-turn,prefix-rep
+
+``--think-time`` is Ray's: each session waits that long between its turns, as users do, so the
+configurations see the same users rather than each as many requests as it can finish. With 0
+(the default) the 8 sessions form a closed loop that keeps the box's cores saturated whatever
+the configuration: the faster one is then measured at a higher request rate, and its TTFT
+carries the queueing of that extra load.
 """
 
 from __future__ import annotations
