@@ -39,9 +39,9 @@ router's issue:
 
 ``--think-time`` is Ray's: each session waits that long between its turns, as users do, so the
 configurations see the same users rather than each as many requests as it can finish. With 0
-(the default) the 8 sessions form a closed loop that keeps the box's cores saturated whatever
-the configuration: the faster one is then measured at a higher request rate, and its TTFT
-carries the queueing of that extra load.
+(the default) the concurrent sessions form a closed loop that keeps the box's cores saturated
+whatever the configuration: the faster one is then measured at a higher request rate, and its
+TTFT carries the queueing of that extra load.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "kvray: installing into $VENV ($EXTRAS; takes a few minutes the first time)" >&2
   # No wheel cache and pip's scratch files beside the venv: a fresh machine gains nothing from
   # a cache, and a cached torch wheel doubles what the install writes (CI once ran out of disk
-  # installing torch into a small /tmp). One retry: a full disk on a shared host can be brief.
+  # installing torch, cause unknown). One retry: a full disk on a shared host can be brief.
   export PIP_NO_CACHE_DIR=1 TMPDIR="$VENV/.pip-tmp"
   mkdir -p "$TMPDIR"
   PIP=(pip_retry "$VENV/bin/python" -m pip --disable-pip-version-check -q)

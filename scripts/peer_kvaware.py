@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -185,6 +186,7 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
 
     def med(k: str) -> float:
         return statistics.median(row[k] for row in rows)
