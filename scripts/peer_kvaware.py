@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,31 +116,18 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(target), os.environ["PYTHONPATH"]])
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
     from ray.serve.config import RequestRouterConfig
     from ray.serve.llm import build_openai_app
     from ray.serve.llm.request_router import KVAwareRouter
-    from ray_probe import metrics_urls
     from vllm_helpers import build_text_model
 
     from kvray.serving.app import build_llm_config
 
     work = Path(tempfile.mkdtemp(prefix="kvray-kvaware-"))
     shape = bs.MODELS["gqa"]
-    model = build_text_model(work / "model", **shape)
-    per_node = -(-a.replicas // 2)
-    node = {"num_cpus": 2 * per_node, "object_store_memory": 512 << 20, "include_dashboard": False}
-    system = {"metrics_report_interval_ms": 1000}
-    cluster = Cluster(
-        initialize_head=True, head_node_args={**node, **bs._bind(0, a), "_system_config": system}
-    )
-    cluster.add_node(**node, **bs._bind(1, a))
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    urls = metrics_urls()
-    os.environ["RAY_ADDRESS"] = cluster.address
-    port = 18000 + random.randrange(1000)
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    model = str(build_text_model(work / "model", **shape))
+    # One HTTP proxy (HAProxy): a second on this host cannot bind the same ports.
+    cluster, urls, port = bs.start_cluster(a, proxy_location="HeadOnly")
     rows = []
     try:
         for r in range(a.repeats):
@@ -156,24 +141,8 @@ def main() -> None:
             t0 = time.perf_counter()
             serve.run(build_openai_app({"llm_configs": [cfg]}), name=bs.APP, route_prefix="/")
             print(f"# repeat {r} kvaware: app up in {time.perf_counter() - t0:.0f} s", flush=True)
-            warm = argparse.Namespace(
-                **{**vars(a), "sessions": 1, "turns": 2, "isl": 200, "concurrency": 2,
-                   "think_time": 0.0}
-            )  # fmt: skip
-            out = work / f"warm{r}.json"
-            bs._load(bs._ray_load(port, str(model), 10_000 + r, 0.0, warm, out), out)
-            counts0 = bs.engine_counts(urls)
-            out = work / f"r{r}.json"
-            row = bs._figures(
-                "ray",
-                bs._load(bs._ray_load(port, str(model), 1 + r, a.hit_rate, a, out), out)["result"],
-            )
-            time.sleep(2.5)  # one metrics report interval and a bit
-            src = bs.engine_counts(urls) - counts0
-            src.pop("preemptions", 0)
-            n = a.turns * a.sessions
-            row["computed_per_req"] = src["local_compute"] / n
-            row["engine_hit"] = src["local_cache_hit"] / max(1, sum(src.values()))
+            bs.warm_up(port, model, r, a, work / f"warm{r}.json")
+            row = bs._run_one(port, model, urls, 1 + r, "multi-turn", a, work)
             rows.append(row)
             print(
                 f"#   multi-turn: TTFT p50 {row['ttft_p50']:.0f} ms, p99 {row['ttft_p99']:.0f} ms,"
@@ -189,7 +158,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     def med(k: str) -> float:
-        return statistics.median(row[k] for row in rows)
+        return bs._med(rows, k)
 
     print(
         f"kvaware multi-turn (medians of {len(rows)}; think time {a.think_time:g} s, "

@@ -124,11 +124,11 @@ def engine_tier_of(
         deadline = time.monotonic() + timeout
         while True:
             view = store.local_view()
-            slots = [info for info in view.replicas.values() if info.key == reporter.key]
+            mine = [info for info in view.replicas.values() if info.key == reporter.key]
             held = [view.engine_prefix(engine_ids(block_hashes(p))) for p in prompts]
             prefix = [h.get(reporter.key, (0, 0.0))[0] for h in held]
-            if (slots and prefix == want) or time.monotonic() > deadline:
-                return {**out, "key": reporter.key, "replicas": len(slots), "prefix": prefix}
+            if (mine and prefix == want) or time.monotonic() > deadline:
+                return {**out, "key": reporter.key, "replicas": len(mine), "prefix": prefix}
             time.sleep(0.05)
     finally:
         store.close()
