@@ -68,6 +68,9 @@ class EngineReporter:
         self.reports = 0
         self.failures = 0
         self._usage: Callable[[], float] = lambda: 0.0
+        #: The engine's published cost estimates (:mod:`kvray.meta.costs`), read at each
+        #: report: an immutable tuple the scheduler's thread replaces.
+        self.costs: Callable[[], tuple[float, ...]] = tuple
         self._lock = threading.Lock()
         self._pending: list[tuple[int, list[Any]]] = []
         self._pending_blocks = 0
@@ -181,6 +184,13 @@ class EngineReporter:
         removed = [i for i, was in before.items() if was and i not in held]
         return added, removed
 
+    def _costs(self) -> tuple[float, ...]:
+        try:
+            return tuple(float(v) for v in self.costs())
+        except Exception as e:  # the estimates are advice: a report goes out without them
+            logger.debug("kvray: cost estimates unavailable: %s: %s", type(e).__name__, e)
+            return ()
+
     def flush(self) -> bool:
         """Send what changed (or everything, after a refusal); False: not sent."""
         added, removed = self._replay()
@@ -210,6 +220,7 @@ class EngineReporter:
                 self.incarnation,
                 usage=round(float(self._usage()), 2),
                 blocks=len(self._held),
+                costs=self._costs(),
             )
             add = np.fromiter(self._held, np.uint64) if full else np.array(added, np.uint64)
             rm = np.array([] if full else removed, np.uint64)

@@ -155,6 +155,9 @@ class ReplicaInfo:
     usage: float = 0.0
     #: Engine blocks it holds (as last reported).
     blocks: int = 0
+    #: Its cost estimates (:meth:`kvray.meta.costs.Costs.to_wire`: a few floats, NaN for
+    #: unknown; empty from an engine that measures nothing yet, or an older one).
+    costs: tuple[float, ...] = ()
 
 
 def _empty_ids() -> np.ndarray:

@@ -147,6 +147,11 @@ class LocalView:
         counts = self.engine.prefix_by_slot(ids)
         return {info.key: (int(counts[slot]), info.usage) for slot, info in self.replicas.items()}
 
+    def engine_costs(self) -> dict[str, tuple[float, ...]]:
+        """Per reporting engine (its key): its published cost estimates
+        (:class:`~kvray.meta.costs.Costs` on the wire; empty: none yet)."""
+        return {info.key: info.costs for info in self.replicas.values()}
+
     def locs(self, ids: np.ndarray) -> np.ndarray:
         """Location code of each id (0: not visible, or not yet)."""
         return self.table.get(ids, "loc")[1]

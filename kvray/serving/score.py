@@ -25,6 +25,18 @@ while three idled (TTFT p50 1,717 ms); 0.25 gave 1,328 ms and 13% more output to
 second, computing 3% more prompt tokens. ``usage`` 0.2: a replica whose cache is full evicts
 others' prefixes to take a new one. Scores within ``tie`` of the best are ties, broken by
 power of two choices (the shorter queue of two sampled).
+
+**The time model** (``score="ttft"``, :func:`pick_ttft`): no weights. Each engine publishes
+its measured costs with the engine tier's heartbeat (:mod:`kvray.meta.costs`: its prefill
+seconds per token and per step, its loads' fixed and per-token seconds from its node's pool
+and from other nodes, the prefill it holds queued); the router predicts, per replica, the
+seconds to the first token: the queue it holds (plus a mean request for each request sent to
+it since its report), the load of what kvray holds for the prompt on its node and elsewhere
+(only the part whose load beats its recompute, as the connector decides), one step and the
+prefill of the rest. The least wins; predictions within :data:`TIE_S` (or :data:`TIE_REL` of
+the best) are ties, broken by power of two choices. A replica that has published nothing
+yet is predicted with the others' estimates and its own queue empty; when none has, the
+weights above decide (kvray before any measurement).
 """
 
 from __future__ import annotations
@@ -35,8 +47,13 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from kvray.config import ConfigError, check_number
+from kvray.meta.costs import Costs, predicted_ttft
 
-__all__ = ["Candidate", "Tiers", "Weights", "pick", "split_tiers"]
+__all__ = ["TIE_REL", "TIE_S", "Candidate", "Tiers", "Weights", "pick", "pick_ttft", "split_tiers"]
+
+#: Predicted times to first token this close to the best are ties (seconds, or relative).
+TIE_S = 0.005
+TIE_REL = 0.05
 
 _R = TypeVar("_R")
 
@@ -77,6 +94,8 @@ class Candidate:
     anywhere: int = 0
     queue: float = 0.0
     usage: float = 0.0
+    #: Its engine's published cost estimates (None: none yet).
+    costs: Costs | None = None
 
 
 @dataclass(frozen=True)
@@ -147,3 +166,57 @@ def pick(
     if hit[first] < max(hit):
         reason = "balanced"
     return [replicas[i] for i in order], reason
+
+
+def _two_choices(tied: list[int], candidates: Sequence[Candidate], rng: random.Random) -> int:
+    if len(tied) == 1:
+        return tied[0]
+    two = rng.sample(tied, 2)
+    return min(two, key=lambda i: candidates[i].queue)
+
+
+def predictions(total: int, candidates: Sequence[Candidate], block_size: int) -> list[float] | None:
+    """Each candidate's predicted seconds to first token for a prompt of ``total`` blocks of
+    ``block_size`` tokens; None when no candidate published estimates."""
+    known = [c.costs for c in candidates if c.costs is not None and c.costs.warm]
+    if not known:
+        return None
+    # A replica without estimates yet: the others' (the same model), its own queue empty.
+    stand_in = sorted(known, key=lambda c: c.prefill_s_per_token or 0.0)[len(known) // 2]
+    stand_in = Costs(**{**stand_in.__dict__, "queue_s": 0.0, "queue_reqs": 0.0})
+    out = []
+    for c in candidates:
+        costs = c.costs if c.costs is not None and c.costs.warm else stand_in
+        t = split_tiers(total, c)
+        p = predicted_ttft(
+            costs,
+            local_tokens=t.local * block_size,
+            remote_tokens=t.remote * block_size,
+            computed_tokens=t.computed * block_size,
+            unreported_reqs=max(0.0, c.queue - costs.queue_reqs),
+        )
+        out.append(p if p is not None else float("inf"))
+    return out
+
+
+def pick_ttft(
+    replicas: Sequence[_R],
+    total: int,
+    candidates: Sequence[Candidate],
+    block_size: int,
+    rng: random.Random | None = None,
+) -> tuple[list[_R], str] | None:
+    """Replicas by least predicted time to first token, and the decision's reason (as
+    :func:`pick`'s); None when no replica has published estimates (use :func:`pick`)."""
+    preds = predictions(total, candidates, block_size)
+    if preds is None:
+        return None
+    rng = rng or random
+    best = min(preds)
+    tied = [i for i, p in enumerate(preds) if p <= best + max(TIE_S, TIE_REL * best)]
+    first = _two_choices(tied, candidates, rng)  # type: ignore[arg-type]
+    rest = sorted((i for i in range(len(replicas)) if i != first), key=lambda i: preds[i])
+    tiers = [split_tiers(total, c) for c in candidates]
+    held = [t.engine + t.local + t.remote for t in tiers]
+    reason = "balanced" if held[first] < max(held) else reason_of(tiers[first])
+    return [replicas[i] for i in [first, *rest]], reason
