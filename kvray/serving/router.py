@@ -30,10 +30,11 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvray.config import check_namespace
+from kvray.config import ConfigError, check_namespace
+from kvray.meta.costs import Costs
 from kvray.serving.inflight import TTL_S, InFlight, Unsent
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of
-from kvray.serving.score import Candidate, Weights, pick
+from kvray.serving.score import Candidate, Weights, pick, pick_ttft
 from kvray.serving.tokenize import EngineTokenizer
 from kvray.serving.view import KeySpaceCache, LookupLoop, PromptTiers, decision_metric, shared_store
 from kvray.threads import SupervisedThread
@@ -41,6 +42,12 @@ from kvray.threads import SupervisedThread
 logger = logging.getLogger(__name__)
 
 __all__ = ["KVRayRouter"]
+
+#: The scores a router may use: tier weights (``weights``) or the predicted time to first
+#: token from the engines' published costs (``ttft``; the weights until any engine published).
+SCORES = ("weights", "ttft")
+#: Models whose block size a router remembers.
+MAX_MODELS = 64
 
 #: Decision reasons counted (metric ``kvray_router_decisions``).
 REASONS = (
@@ -64,13 +71,19 @@ class KVRayRouter(RequestRouter):
         engine_kwargs: dict[str, Any] | None = None,
         weights: Mapping[str, float] | None = None,
         inflight_s: float = TTL_S,
+        score: str = "weights",
     ) -> None:
         """``engine_kwargs``: the engine's arguments (``model`` included) for the pre-routing
         tokenizer of text and chat prompts; without them only token-id prompts are scored.
         ``weights``: the score's weights by name (:class:`~kvray.serving.score.Weights`).
         ``inflight_s``: how long a routed prompt's blocks count as in its replica's engine
-        before the engine tier reports them (:mod:`kvray.serving.inflight`; 0: never)."""
+        before the engine tier reports them (:mod:`kvray.serving.inflight`; 0: never).
+        ``score``: ``"weights"`` or ``"ttft"`` (:mod:`kvray.serving.score`)."""
         check_namespace(namespace)
+        if score not in SCORES:
+            raise ConfigError("score", score, f"expected one of {SCORES}")
+        self._score = score
+        self._block_sizes: dict[str, int] = {}
         self._namespace = namespace
         self._weights = Weights.of(weights)
         self._inflight = InFlight(inflight_s)
@@ -117,6 +130,9 @@ class KVRayRouter(RequestRouter):
             tokens = await self._tokenizer.token_ids(source.request)
         if not tokens:
             return "no_prompt"
+        if len(self._block_sizes) >= MAX_MODELS:
+            self._block_sizes.clear()
+        self._block_sizes[source.model or ""] = hasher.info.block_size
         if self._store is None:
             self._store = shared_store(self._namespace)
         return PromptTiers.of(self._store, hasher, tokens, source.cache_salt)
@@ -152,15 +168,23 @@ class KVRayRouter(RequestRouter):
         routed = self._inflight.prefix(tiers.ids, now)
         if routed:
             tiers = dataclasses.replace(tiers, routed=routed)
+        costs = self._costs() if self._score == "ttft" else {}
         cands = [
             self._candidate(
                 r,
                 tiers,
                 queues[r.replica_id] + self._unsent.pending(r.replica_id.unique_id, now),
+                costs,
             )
             for r in candidate_replicas
         ]
-        ranked, reason = pick(candidate_replicas, tiers.total, cands, self._weights)
+        chosen = None
+        block_size = self._block_sizes.get(source.model or "") if source is not None else None
+        if costs and block_size:
+            chosen = pick_ttft(candidate_replicas, tiers.total, cands, block_size)
+        if chosen is None:  # the weights: asked for, or no engine published estimates yet
+            chosen = pick(candidate_replicas, tiers.total, cands, self._weights)
+        ranked, reason = chosen
         first = ranked[0].replica_id.unique_id
         self._inflight.note(first, tiers.ids, now)
         self._unsent.chosen(first, now)
@@ -177,8 +201,24 @@ class KVRayRouter(RequestRouter):
         super().on_new_queue_len_info(replica_id, num_ongoing_requests)
         self._unsent.answered(replica_id.unique_id)
 
+    def _costs(self) -> dict[str, Costs | None]:
+        """Per replica key, its engine's published costs (from the view; no actor call)."""
+        if self._store is None:
+            return {}
+        try:
+            wire = self._store.local_view().engine_costs()
+        except Exception as e:  # routing by weights rather than failing a request
+            logger.debug("KVRayRouter: no cost estimates: %s: %s", type(e).__name__, e)
+            return {}
+        return {key: Costs.from_wire(values) for key, values in wire.items()}
+
     @staticmethod
-    def _candidate(r: RunningReplica, tiers: PromptTiers, queue: float) -> Candidate:
+    def _candidate(
+        r: RunningReplica,
+        tiers: PromptTiers,
+        queue: float,
+        costs: Mapping[str, Costs | None] | None = None,
+    ) -> Candidate:
         key = r.replica_id.unique_id
         engine, usage = tiers.engine.get(key, (0, 0.0))
         return Candidate(
@@ -187,6 +227,7 @@ class KVRayRouter(RequestRouter):
             anywhere=tiers.anywhere,
             queue=min(queue, 1e6),  # a replica that did not answer the probe: last
             usage=usage,
+            costs=(costs or {}).get(key),
         )
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[Any, float]:
