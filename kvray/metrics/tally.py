@@ -90,6 +90,16 @@ class ClientMetrics:
         self.view_bytes = metrics.Gauge(
             "kvray_view_bytes", "Memory of this process's local view", tag_keys=keys
         )
+        self.loads_declined = metrics.Counter(
+            "kvray_loads_declined",
+            "Hits the connector left to vLLM to compute: their load cost more than the recompute",
+            tag_keys=keys,
+        )
+        self.tokens_declined = metrics.Counter(
+            "kvray_tokens_declined",
+            "Tokens of hits computed by vLLM instead of loaded (the load would cost more)",
+            tag_keys=keys,
+        )
         self.lost_blocks = metrics.Counter(
             "kvray_lost_blocks",
             "Blocks a get could not serve (evicted, dead node, corrupt)",
@@ -113,6 +123,8 @@ class ClientMetrics:
             self.bytes_loaded,
             self.bytes_stored,
             self.lost_blocks,
+            self.loads_declined,
+            self.tokens_declined,
         ):
             export_zero(counter, tags)
 
@@ -135,6 +147,8 @@ class ClientTally:
         "bytes_stored",
         "lost",
         "tokens_loaded",
+        "loads_declined",
+        "tokens_declined",
     )
 
     def __init__(self, namespace: str) -> None:
@@ -148,6 +162,8 @@ class ClientTally:
         self.bytes_stored = 0
         self.lost = 0
         self.tokens_loaded = 0
+        self.loads_declined = 0
+        self.tokens_declined = 0
         self.load_latencies: list[float] = []
         self.store_latencies: list[float] = []
         self.view_blocks = -1
@@ -200,6 +216,8 @@ class ClientTally:
             ("bytes_stored", m.bytes_stored),
             ("lost", m.lost_blocks),
             ("tokens_loaded", m.tokens_loaded),
+            ("loads_declined", m.loads_declined),
+            ("tokens_declined", m.tokens_declined),
         ):
             n = counts[name]
             if n > 0:
