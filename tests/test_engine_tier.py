@@ -380,3 +380,44 @@ def test_a_killed_engines_entries_expire(kvray_ns: str) -> None:
         print(f"killed engine's entries gone after {took:.1f} s (ttl {ENGINE_TTL_S} s)")
     finally:
         store.close()
+
+
+def test_cost_estimates_ride_the_heartbeat_to_a_routers_view(kvray_ns: str) -> None:
+    """Issue 32: an engine's cost estimates (a few floats) reach a router's view with its
+    reports, heartbeats included; an engine without estimates (or whose estimates fail)
+    reports as before, with an empty tuple."""
+    pytest.importorskip("vllm")
+    from kvray.meta.costs import Costs
+
+    published = Costs(prefill_s_per_token=5e-5, step_s=0.01, queue_s=0.2, queue_reqs=1)
+    rep = _reporter(kvray_ns, "replica-c")
+    rep.costs = published.to_wire
+    quiet = _reporter(kvray_ns, "replica-q")  # publishes nothing
+
+    def broken() -> tuple[float, ...]:
+        raise RuntimeError("no estimates")
+
+    quiet.costs = broken
+    store = kvray.connect(kvray_ns)
+    try:
+        assert rep.flush() and quiet.flush()  # empty reports: heartbeats
+        _until(
+            lambda: (
+                Costs.from_wire(store.local_view().engine_costs().get("replica-c")) == published
+            ),
+            "costs",
+            10,
+        )
+        _until(lambda: store.local_view().engine_costs().get("replica-q") == (), "none", 10)
+        later = Costs(prefill_s_per_token=6e-5, step_s=0.01)
+        rep.costs = later.to_wire
+        assert rep.flush()
+        _until(
+            lambda: Costs.from_wire(store.local_view().engine_costs().get("replica-c")) == later,
+            "a later heartbeat's costs",
+            10,
+        )
+    finally:
+        rep.close()
+        quiet.close()
+        store.close()
