@@ -99,6 +99,19 @@ CONFIGS: dict[str, tuple[str, str]] = {
 MODELS: dict[str, dict[str, int]] = {
     "gqa": {"hidden": 1024, "layers": 4, "heads": 16, "kv_heads": 2, "intermediate": 4096},
     "kv-heavy": {"hidden": 512, "layers": 6, "heads": 8, "kv_heads": 4, "intermediate": 512},
+    # A larger model in bfloat16: 8 KiB of KV and ~0.7 GFLOP a token (350M parameters).
+    "bf16": {"hidden": 2048, "layers": 8, "heads": 32, "kv_heads": 4, "intermediate": 5632},
+}
+#: The dtype each preset is served in (float32 unless named here).
+DTYPES: dict[str, str] = {"bf16": "bfloat16"}
+#: ``--matrix``: every cell is (model, replicas, think time, workload); each runs these
+#: configurations, medians of ``--repeats`` interleaved runs.
+MATRIX = {
+    "models": ("kv-heavy", "gqa", "bf16"),
+    "replicas": (2, 4),
+    "think": (0.0, 2.0),
+    "workloads": ("multi-turn", "prefix-rep"),
+    "configs": ("off", "kvray-prefix", "kvray"),
 }
 
 
@@ -275,18 +288,21 @@ KV_TOKENS = 4096
 BLOCK_SIZE = 32
 
 
-def kv_bytes_per_token(shape: dict[str, int]) -> int:
-    """KV bytes per token of a model preset (float32, head dim 64)."""
-    return shape["layers"] * shape["kv_heads"] * 64 * 2 * 4
+def kv_bytes_per_token(shape: dict[str, int], dtype: str = "float32") -> int:
+    """KV bytes per token of a model preset (head dim 64)."""
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    return shape["layers"] * shape["kv_heads"] * 64 * 2 * itemsize
 
 
-def bench_engine_args(shape: dict[str, int], kv_tokens: int) -> dict[str, Any]:
+def bench_engine_args(
+    shape: dict[str, int], kv_tokens: int, dtype: str = "float32"
+) -> dict[str, Any]:
     """The engine settings every serving bench uses: an engine cache of ``kv_tokens``."""
     return {
         "enforce_eager": True,
-        "dtype": "float32",
+        "dtype": dtype,
         "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": (kv_tokens + 64) * kv_bytes_per_token(shape),
+        "kv_cache_memory_bytes": (kv_tokens + 64) * kv_bytes_per_token(shape, dtype),
         "max_model_len": kv_tokens,
         "max_num_seqs": 8,
         "max_num_batched_tokens": kv_tokens,
@@ -448,7 +464,14 @@ def main() -> None:
                     'the key "router_kwargs" goes to the router instead, e.g. '
                     'q25=kvray:{"router_kwargs":{"weights":{"queue":0.25}}}; '
                     "list NAME in --configs too")  # fmt: skip
+    ap.add_argument("--matrix", action="store_true",
+                    help="every cell of MATRIX (a run of this script each), last line the "
+                    "worst and median cells' ratios")  # fmt: skip
+    ap.add_argument("--json-out", default=None, help="write the medians per config/workload")
     a = ap.parse_args()
+    if a.matrix:
+        run_matrix(a)
+        return
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.sessions = a.sessions or (6 if a.quick else 12)
     overrides: dict[str, dict[str, Any]] = {}
@@ -471,7 +494,7 @@ def main() -> None:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}: choose from {sorted(WORKLOADS)}")
     shape = MODELS[a.model]
-    engine_args = bench_engine_args(shape, a.kv_tokens)
+    engine_args = bench_engine_args(shape, a.kv_tokens, DTYPES.get(a.model, "float32"))
 
     import ray
     from ray import serve
@@ -543,6 +566,11 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     _report(results, a)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({
+            f"{c}|{w}": {k: _med(rows, k) for k in ("ttft_p50", "ttft_p99", "itl_mean")}
+            for (c, w), rows in results.items() if rows
+        }))  # fmt: skip
     if "off" in configs and "kvray" in configs and "multi-turn" in workloads:
         on, off = results[("kvray", "multi-turn")], results[("off", "multi-turn")]
         gcs = statistics.median(r["cpu"].get("gcs", 0.0) for r in on)
@@ -568,6 +596,49 @@ def main() -> None:
             f"over_kvray_prefix={_med(mine, 'ttft_p50') / _med(theirs, 'ttft_p50'):.3f} "
             f"computed_tokens_over_alone={computed}"
         )
+
+
+def run_matrix(a: argparse.Namespace) -> None:
+    """Every cell of :data:`MATRIX`, one run of this script per (model, replicas, think time)
+    with both workloads; prints a row per cell and, last, the ratio line of issue 32."""
+    rows: list[tuple[str, float, float, float, float]] = []
+    for model, replicas, think in itertools.product(
+        MATRIX["models"], MATRIX["replicas"], MATRIX["think"]
+    ):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [
+                sys.executable, __file__, "--model", model, "--replicas", str(replicas),
+                "--think-time", str(think), "--repeats", str(a.repeats or 3),
+                "--configs", ",".join(MATRIX["configs"]),
+                "--workloads", ",".join(MATRIX["workloads"]), "--kv-tokens", str(a.kv_tokens),
+                "--osl", str(a.osl), "--concurrency", str(a.concurrency), "--json-out", f.name,
+            ]  # fmt: skip
+            if a.sessions:
+                cmd += ["--sessions", str(a.sessions)]
+            print("#", " ".join(cmd[2:]), flush=True)
+            subprocess.run(cmd, check=True)
+            med = json.loads(Path(f.name).read_text())
+        for wl in MATRIX["workloads"]:
+            off, pre, on = (med[f"{c}|{wl}"] for c in MATRIX["configs"])
+            cell = (
+                f"{model}/{replicas}r/think{think:g}/{wl}",
+                on["ttft_p50"] / off["ttft_p50"],
+                on["ttft_p99"] / off["ttft_p99"],
+                on["itl_mean"] / off["itl_mean"],
+                on["ttft_p50"] / pre["ttft_p50"],
+            )
+            rows.append(cell)
+            print(
+                f"cell {cell[0]}: ttft_p50/off {cell[1]:.3f} ttft_p99/off {cell[2]:.3f} "
+                f"itl/off {cell[3]:.3f} router/prefix {cell[4]:.3f}",
+                flush=True,
+            )
+    print(
+        f"ratio worst_cell_ttft_p50_over_off={max(r[1] for r in rows):.3f} "
+        f"worst_cell_itl_over_off={max(r[3] for r in rows):.3f} "
+        f"median_cell_ttft_p50_over_off={statistics.median(r[1] for r in rows):.3f} "
+        f"worst_cell_router_over_prefix={max(r[4] for r in rows):.3f}"
+    )
 
 
 if __name__ == "__main__":
