@@ -39,7 +39,7 @@ def install_recorder(handler: Any) -> dict[str, dict[str, bytes]]:
         handler.mover.gather(block_ids, out)
         return [bytes(row.numpy()) for row in out]
 
-    real_loads, real_store = handler.submit_loads, handler.submit_store
+    real_loads, real_store = handler.submit_loads, handler.stores.submit
 
     def submit_loads(meta: Any) -> None:
         real_loads(meta)
@@ -62,7 +62,7 @@ def install_recorder(handler: Any) -> dict[str, dict[str, bytes]]:
         return real_put(keys, ids, shard, nshards, *rest, **kw)
 
     io.put = put
-    handler.submit_loads, handler.submit_store = submit_loads, submit_store
+    handler.submit_loads, handler.stores.submit = submit_loads, submit_store
     handler.recorded = rec
     return rec
 

@@ -223,30 +223,31 @@ def hold_until_stored(
 class Locator:
     """Turns a handoff's pool names into the location codes and pool slots of a load plan.
 
-    Pools the decode's view knows keep their slot; others get slots counted down from the top
-    (and placements codes from the top), stable for the process, so that plans of several
-    loads in one step agree."""
+    Pools the decode's view knows keep their slot; others get slots counted down from the top.
+    Each plan carries its own pools and split blocks' slot tuples, so numbering need only hold
+    within one plan: nothing is shared between the plans of a step."""
 
     def __init__(self, view: LocalView) -> None:
         self.view = view
-        self._extra_slots: dict[str, int] = {}
-        self._extra_placements: dict[tuple[int, ...], int] = {}
 
-    def slot(self, name: str) -> int:
-        for slot, known in self.view.pool_names().items():
-            if known == name:
-                return slot
-        slot = self._extra_slots.get(name)
-        if slot is None:
-            if len(self._extra_slots) >= MAX_HANDOFF_POOLS:
-                self._extra_slots.clear()  # bounded; only this step's plans must agree
-            slot = self._extra_slots[name] = MAX_POOLS - 1 - len(self._extra_slots)
-        return slot
+    def slots(self, names: Sequence[str]) -> list[int]:
+        """A pool slot for each name: the view's, or one counted down from the top."""
+        known = {name: slot for slot, name in self.view.pool_names().items()}
+        extra: dict[str, int] = {}
+        out = []
+        for name in names:
+            slot = known.get(name)
+            if slot is None:
+                slot = extra.get(name)
+                if slot is None:
+                    slot = extra[name] = MAX_POOLS - 1 - len(extra)
+            out.append(slot)
+        return out
 
     def plan(self, handoff: Handoff, first: int, last: int) -> LoadPlan:
         """Where blocks [first, last) of the handoff are, as a :class:`LoadPlan`."""
         plan = LoadPlan([])
-        slots = [self.slot(p) for p in handoff.pools]
+        slots = self.slots(handoff.pools)
         for b in range(first, last):
             where = tuple(slots[i] for i in handoff.shard_pools(b))
             for s in set(where):
@@ -254,15 +255,8 @@ class Locator:
             if len(set(where)) == 1:
                 plan.locs.append(where[0] + 1)
                 continue
-            code = self._extra_placements.get(where)
-            if code is None:
-                if len(self._extra_placements) >= MAX_HANDOFF_POOLS:
-                    self._extra_placements.clear()
-                code = 65535 - len(self._extra_placements)
-                self._extra_placements[where] = code
-            assert code >= PLACEMENT_BASE
-            plan.locs.append(code)
-            plan.placements[code] = where
+            plan.locs.append(PLACEMENT_BASE)  # the plan carries the tuple itself
+            plan.placements.append(where)
         return plan
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvray.blocks import Fetched
 from kvray.connector.keys import EngineKeySpace
-from kvray.connector.metadata import JobId, KVRayConnectorMetadata, LoadSpec
+from kvray.connector.metadata import JobId, LoadSpec
 from kvray.connector.paged import Source
 from kvray.connector.sides import TransferStore
 from kvray.kernels.heads import HeadPart
@@ -51,12 +51,11 @@ class LoadJob:
         parts_by_grouping: dict[int, list[HeadPart]],
         job_id: JobId,
         spec: LoadSpec,
-        meta: KVRayConnectorMetadata,
     ) -> LoadJob:
         """This rank's load of ``spec``; a grouping it cannot read loads nothing (an error)."""
         parts = parts_by_grouping.get(spec.grouping or key_space.num_shards)
         if parts is None:
-            job = cls(job_id, spec, [], [], [], meta.pools)
+            job = cls(job_id, spec, [], [], [], spec.pools)
             job.why = f"grouping {spec.grouping} is not readable here"
             return job
         return cls(
@@ -64,8 +63,8 @@ class LoadJob:
             spec,
             key_space.block_keys(spec.block_hashes, spec.grouping),
             parts,
-            [meta.slots(spec, p.shard) for p in parts],
-            meta.pools,
+            [spec.slots(p.shard) for p in parts],
+            spec.pools,
         )
 
     @property

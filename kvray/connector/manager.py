@@ -24,7 +24,7 @@ import numpy as np
 
 from kvray.connector.keys import EngineKeySpace
 from kvray.connector.sides import ViewStore
-from kvray.meta.holders import decode_slots, split_positions
+from kvray.meta.holders import PLACEMENT_BASE, split_positions
 from kvray.meta.idtable import IdTable
 
 if TYPE_CHECKING:
@@ -44,11 +44,14 @@ MAX_EVENTS = 1 << 16
 
 @dataclass
 class LoadPlan:
-    """Where the blocks of one load live: a location code per block, and what they name."""
+    """Where the blocks of one load live, self-contained: a location code per block, the pool
+    of every slot it names, and the shard slots of each split block (in the order of the split
+    positions of ``locs``). Placement codes are numbered per index shard, so a plan never
+    leans on a code table shared with other plans."""
 
     locs: list[int]
     pools: dict[int, str] = field(default_factory=dict)
-    placements: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    placements: list[tuple[int, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -122,17 +125,15 @@ class KVRayCacheManager:
         vLLM recomputes it."""
         ids = self.key_space.block_ids(block_hashes, grouping)
         view = self.view
-        locs = view.locs(ids)
-        plan = LoadPlan(locs.tolist())
+        locs = view.locs(ids).astype(np.int64)
         split = split_positions(locs)
-        placements = view.placements_of(ids[split], locs[split])
-        for i, t in zip(split.tolist(), placements, strict=True):
+        resolved = view.placements_of(ids[split], locs[split])
+        for i, t in zip(split.tolist(), resolved, strict=True):
             if t is None:
-                plan.locs[i] = 0
-            else:
-                plan.placements[plan.locs[i]] = t
-        slots = set(decode_slots(locs, 0, placements).tolist()) - {-1}
-        for t in plan.placements.values():
+                locs[i] = 0
+        plan = LoadPlan(locs.tolist(), placements=[t for t in resolved if t is not None])
+        slots = set((locs[locs < PLACEMENT_BASE] - 1).tolist()) - {-1}
+        for t in plan.placements:
             slots.update(t)
         nodes = view.nodes
         plan.pools = {s: nodes[s].pool_name for s in slots if s in nodes}

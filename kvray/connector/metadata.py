@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvray.meta.holders import decode_slots, split_positions
+from kvray.meta.holders import decode_slots
 
 ReqId = str
 JobId = int
@@ -37,7 +37,7 @@ class LoadSpec:
     block_ids: list[int]
     block_hashes: list[bytes]
     #: Location code of each block (:mod:`kvray.meta.holders`): the pool slot holding every
-    #: shard, or a placement (``KVRayConnectorMetadata.placements``) for split blocks.
+    #: shard, or a placement code for split blocks (its tuple in ``placements``).
     locs: list[int] = field(default_factory=list)
     is_async: bool = False
     #: Shards the blocks were stored in (their head grouping; 0: the engine's own). Each rank
@@ -46,6 +46,17 @@ class LoadSpec:
     #: A prefill's handoff: blocks not (yet) in their pool are looked for again for this long
     #: (the prefill may still be putting them), then reported failed.
     wait_s: float = 0.0
+    #: Pool slot -> pool actor name, for every slot this load names.
+    pools: dict[int, str] = field(default_factory=dict)
+    #: The pool slot of each shard of every block split across pools, in the order of their
+    #: positions in ``locs`` (:func:`~kvray.meta.holders.split_positions`). The load carries
+    #: its own: placement codes are numbered per index shard (and per handoff), so a code
+    #: means nothing outside the plan that resolved it.
+    placements: list[tuple[int, ...]] = field(default_factory=list)
+
+    def slots(self, shard: int) -> list[int]:
+        """The pool slot holding shard ``shard`` of each block (-1: unknown)."""
+        return decode_slots(np.asarray(self.locs, dtype=np.int64), shard, self.placements).tolist()
 
 
 @dataclass
@@ -71,21 +82,11 @@ class KVRayConnectorMetadata(KVConnectorMetadata):
 
     loads: dict[JobId, LoadSpec] = field(default_factory=dict)
     stores: dict[JobId, StoreSpec] = field(default_factory=dict)
-    #: Pool slot -> pool actor name, for every slot the loads name.
-    pools: dict[int, str] = field(default_factory=dict)
-    #: Placement code -> pool slot of each shard, for blocks split across pools.
-    placements: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: Requests whose blocks are about to be reused (preempted): saves reading them must end.
     preempted_req_ids: set[ReqId] = field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.preempted_req_ids)
-
-    def slots(self, spec: LoadSpec, shard: int) -> list[int]:
-        """The pool slot holding shard ``shard`` of each block of a load (-1: unknown)."""
-        locs = np.asarray(spec.locs, dtype=np.int64)
-        codes = locs[split_positions(locs)].tolist()
-        return decode_slots(locs, shard, [self.placements.get(c) for c in codes]).tolist()
 
 
 @dataclass

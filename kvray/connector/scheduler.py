@@ -123,8 +123,6 @@ class KVRayConnectorScheduler:
         # Jobs planned since the last build_connector_meta.
         self._new_loads: dict[JobId, LoadSpec] = {}
         self._new_stores: dict[JobId, StoreSpec] = {}
-        self._new_pools: dict[int, str] = {}
-        self._new_placements: dict[int, tuple[int, ...]] = {}
         #: Blocks that failed to load, not offered as hits for a while.
         self.quarantine = Quarantine()
         # Block hashes some store job is writing: other requests sharing the prefix skip them.
@@ -204,8 +202,6 @@ class KVRayConnectorScheduler:
             handoff = None
             plan = self.manager.prepare_load(hashes, state.hit_grouping)
         is_async = self._load_async
-        self._new_pools.update(plan.pools)
-        self._new_placements.update(plan.placements)
         job_id = next(self._job_ids)
         self._new_loads[job_id] = LoadSpec(
             req_id=request.request_id,
@@ -215,6 +211,8 @@ class KVRayConnectorScheduler:
             is_async=is_async,
             grouping=state.hit_grouping or self.key_space.num_shards,
             wait_s=HANDOFF_WAIT_S if handoff is not None else 0.0,
+            pools=plan.pools,
+            placements=plan.placements,
         )
         self._jobs[job_id] = _Job(
             req_id=request.request_id,
@@ -305,14 +303,10 @@ class KVRayConnectorScheduler:
         meta = KVRayConnectorMetadata(
             loads=self._new_loads,
             stores=self._new_stores,
-            pools=self._new_pools,
-            placements=self._new_placements,
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
         )
         self._new_loads = {}
         self._new_stores = {}
-        self._new_pools = {}
-        self._new_placements = {}
         return meta
 
     # ---------------------------------------------------------------- completions

@@ -45,11 +45,10 @@ from kvray.connector.metadata import (
     TransferCounters,
 )
 from kvray.connector.paged import Mover, PagedCopier
-from kvray.connector.saves import StorePath
+from kvray.connector.saves import Outbox, StorePath
 from kvray.connector.sides import TransferStore
 from kvray.kernels import StagingPool
 from kvray.kernels.heads import head_parts
-from kvray.meta.messages import PutResult
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class _Layers:
         self.future: Future[None] | None = None
 
 
-class TransferHandler(StorePath):
+class TransferHandler:
     """Executes one TP rank's load and store jobs and reports them."""
 
     def __init__(
@@ -112,16 +111,24 @@ class TransferHandler(StorePath):
         self.device = device
         self.layerwise = layerwise
         self.layer_index = layer_index
-        self._lock = threading.Lock()
+        #: What this rank reports; its lock also guards the handler's own sets below.
+        self.outbox = Outbox()
+        self.stores = StorePath(
+            key_space,
+            store,
+            mover,
+            self.copier,
+            staging,
+            shard=self.shard,
+            is_writer=self.is_writer,
+            outbox=self.outbox,
+        )
+        self._lock = self.outbox.lock
         self._load_cv = threading.Condition(self._lock)  # an async load finished
         self._async_inflight = 0
-        self._meta = KVRayWorkerMetadata()
-        self._finished_sending: set[ReqId] = set()
         self._finished_recving: set[ReqId] = set()
         self._failed_recving: set[ReqId] = set()
         self._load_errors: set[int] = set()
-        self._puts: dict[JobId, list[Future[PutResult]]] = {}
-        self._put_reqs: dict[JobId, ReqId] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._layers: _Layers | None = None
 
@@ -144,7 +151,7 @@ class TransferHandler(StorePath):
         for j in ids:
             spec = meta.stores.get(j)
             if spec is not None:
-                self.submit_store(j, spec)
+                self.stores.submit(j, spec)
 
     def wait(self, layer_name: str | None = None) -> None:
         """Until this step's loads have filled ``layer_name`` (None: every layer, checksums
@@ -163,7 +170,7 @@ class TransferHandler(StorePath):
         )
         layered: list[LoadJob] = []
         for job_id, spec in meta.loads.items():
-            job = self._job(job_id, spec, meta)
+            job = LoadJob.plan(self.key_space, self._parts, job_id, spec)
             if spec.is_async:
                 self._submit_async(job)
             elif self.layerwise:
@@ -179,9 +186,6 @@ class TransferHandler(StorePath):
         rank's) at ``load_bytes_per_s``."""
         nbytes = sum(len(s.block_hashes) for s in specs) * self.block_nbytes
         return self.config.load_timeout_s + nbytes / self.config.load_bytes_per_s
-
-    def _job(self, job_id: JobId, spec: LoadSpec, meta: KVRayConnectorMetadata) -> LoadJob:
-        return LoadJob.plan(self.key_space, self._parts, job_id, spec, meta)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._loader is None:
@@ -317,13 +321,13 @@ class TransferHandler(StorePath):
                 why or job.why or "not found",
             )
         with self._lock:
-            c = self._meta.counters
+            c = self.outbox.meta.counters
             c.loaded_blocks += job.done
             c.loaded_bytes += job.done * self.block_nbytes
             c.load_seconds += time.perf_counter() - job.t0
             c.failed_blocks += len(bad)
             self._load_errors.update(bad)
-            self._meta.mark(job.job_id, ok=not bad)
+            self.outbox.meta.mark(job.job_id, ok=not bad)
         if job.done and self.tp_rank == 0:  # one rank counts tokens for the dashboard
             self.store.count(tokens_loaded=job.done * self.key_space.block_size)
         return not bad
@@ -334,7 +338,7 @@ class TransferHandler(StorePath):
         with self._lock:
             if self._async_inflight > 0 and not self._finished_recving:
                 self._load_cv.wait(ASYNC_LOAD_WAIT_S)
-            sending, self._finished_sending = self._finished_sending, set()
+            sending, self.outbox.finished_sending = self.outbox.finished_sending, set()
             recving, self._finished_recving = self._finished_recving, set()
             failed, self._failed_recving = self._failed_recving, set()
         return sending, recving, failed
@@ -348,13 +352,17 @@ class TransferHandler(StorePath):
     def take_meta(self) -> KVRayWorkerMetadata | None:
         self.finish_layers()
         with self._lock:
-            if self._meta.is_empty():
+            if self.outbox.meta.is_empty():
                 return None
-            meta, self._meta = self._meta, KVRayWorkerMetadata()
+            meta, self.outbox.meta = self.outbox.meta, KVRayWorkerMetadata()
         return meta
 
     def counters(self) -> TransferCounters:
-        return self._meta.counters
+        return self.outbox.meta.counters
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for puts in flight (tests, shutdown)."""
+        self.stores.puts.flush(timeout)
 
     def shutdown(self) -> None:
         self.finish_layers()
