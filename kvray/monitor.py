@@ -281,7 +281,7 @@ def _dashboard_url() -> str | None:
 
     try:
         return ray._private.worker.get_dashboard_url() or None
-    except Exception:
+    except ray.exceptions.RaySystemError:  # this process is not connected to Ray
         return None
 
 

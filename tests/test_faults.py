@@ -1069,3 +1069,30 @@ def test_a_load_gets_time_for_its_bytes(engines: Engines) -> None:
     assert hook.fired.is_set() and tokens == ref
     assert d.loaded == blocks and d.failed == 0, d
     assert max(hook.durations) > stall_s - 0.1, hook.durations  # it did wait on the pool
+
+
+@ray.remote(num_cpus=0)
+class _PoolThatCannotAnswer:
+    """Named like a pool of the namespace (as one left by a reconciler's earlier life)."""
+
+    def ping(self) -> None:
+        raise RuntimeError("a pool that cannot answer its ping")
+
+
+def test_a_pool_the_reconciler_cannot_take_back_is_logged_and_counted(ray_cluster: Cluster) -> None:
+    """Issue 33 item 6: a pool found by name at the reconciler's (re)start that cannot be taken
+    back was skipped silently (``except Exception: continue``); now it is counted
+    (``recover_skipped`` in the reconciler's stats) and logged."""
+    ns = f"rec{uuid.uuid4().hex[:8]}"
+    fake = _PoolThatCannotAnswer.options(  # type: ignore[attr-defined]
+        name=pool_name(ns, "f" * 56), namespace=RAY_NAMESPACE
+    ).remote()
+    ray.get(fake.__ray_ready__.remote(), timeout=60)
+    try:
+        stats = kvray.start(namespace=ns, capacity="16MiB", health_check_interval_s=0.5)
+        assert stats["recover_skipped"] == 1
+        assert stats["index_push_timeouts"] == 0
+        assert stats["pools"] == len([n for n in ray.nodes() if n["Alive"]])
+    finally:
+        ray.kill(fake, no_restart=True)
+        kvray.stop(ns)

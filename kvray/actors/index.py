@@ -405,9 +405,11 @@ def _rss() -> int:
     """Resident memory of this process (psutil ships with ray[default])."""
     try:
         import psutil
-
+    except ImportError:
+        return 0
+    try:
         return int(psutil.Process().memory_info().rss)
-    except Exception:
+    except (psutil.Error, OSError):
         return 0
 
 

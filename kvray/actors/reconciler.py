@@ -73,6 +73,11 @@ class Reconciler:
         self._recovered = False
         self._stopping = False
         self._ticks = 0
+        #: Ticks whose push to the index shards timed out (the shards catch up next tick).
+        self._push_timeouts = 0
+        #: Pools found by name after a restart that could not be taken back (gone, or not
+        #: answering its ping); the next tick gives their nodes a pool again.
+        self._recover_skipped = 0
         self._task: asyncio.Task[None] | None = None
         self._epoch = uuid.uuid4().hex
         if run:
@@ -144,7 +149,14 @@ class Reconciler:
             results = await asyncio.wait_for(
                 asyncio.gather(*pushes, return_exceptions=True), timeout
             )
-        except Exception:  # a restarting shard catches up next tick
+        except TimeoutError:  # a restarting shard catches up next tick
+            self._push_timeouts += 1
+            if self._push_timeouts == 1:  # once: a slow shard would log every tick
+                logger.warning(
+                    "kvray reconciler: the index shards did not take the pools' status "
+                    "within %.1f s (counted in stats()['index_push_timeouts'])",
+                    timeout,
+                )
             results = []
         for i, r in enumerate(results):
             if isinstance(r, ray.exceptions.ActorDiedError) and not self._stopping:
@@ -190,7 +202,15 @@ class Reconciler:
                     ray.get_actor, entry["name"], namespace=RAY_NAMESPACE
                 )
                 slot, incarnation, versions = await asyncio.wait_for(handle.ping.remote(), timeout)
-            except Exception:
+            except (ValueError, TimeoutError, ray.exceptions.RayError) as e:
+                # Gone since the listing (ValueError), dead or not answering: not taken back.
+                self._recover_skipped += 1
+                logger.warning(
+                    "kvray reconciler: pool %s not recovered after a restart (%s: %s)",
+                    entry["name"],
+                    type(e).__name__,
+                    e,
+                )
                 continue
             info = NodeInfo(slot, node_id, entry["name"], self._cfg.capacity)
             self._pools[node_id] = _PoolRecord(slot, info, handle, True, incarnation, versions)
@@ -225,6 +245,8 @@ class Reconciler:
             "epoch": self._epoch,
             "ticks": self._ticks,
             "index_shards": self._k,
+            "index_push_timeouts": self._push_timeouts,
+            "recover_skipped": self._recover_skipped,
             "pools": {r.slot: (r.info.node_id, r.alive) for r in self._pools.values()},
         }
 

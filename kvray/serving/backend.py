@@ -24,8 +24,8 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 )
 from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
 
-from kvray.actors.join import NODE_ENV
 from kvray.callers import outermost_caller
+from kvray.cluster import NODE_ENV
 from kvray.config import ConfigError, KVRayConfig
 from kvray.meta.engine import REPLICA_ENV
 
@@ -116,11 +116,12 @@ class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
 
 def _replica_id() -> str | None:
     """This Serve replica's unique id (``RunningReplica.replica_id.unique_id``), if any."""
-    try:
-        from ray import serve
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
 
+    try:
         return str(serve.get_replica_context().replica_id.unique_id)
-    except Exception:
+    except RayServeException:  # not inside a Serve replica
         return None
 
 

@@ -109,7 +109,7 @@ def decision_metric(namespace: str, reasons: Sequence[str]) -> Any:
             description="Requests routed by KVRayRouter, by reason (prefix, imbalanced, cold...)",
             tag_keys=("reason", "namespace"),
         )
-    except Exception:
+    except ImportError:  # Ray without its metrics module
         return None
     for reason in reasons:
         export_zero(counter, {"reason": reason, "namespace": namespace})
