@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from kvray.actors.join import local_node_id
 from kvray.blocks import Blocks, Read, checksums
+from kvray.cluster import local_node_id
 from kvray.config import KVRayConfig
 from kvray.errors import InvalidArgumentError, StoreUnavailableError
 from kvray.handles import HandleCache
@@ -144,7 +144,7 @@ class BlockIO:
         nbytes: int,
         pool: str,
     ) -> PutResult:
-        from kvray.actors.segment import pack_keys
+        from kvray.meta.segment import pack_keys
 
         t0 = time.perf_counter()
         try:

@@ -84,7 +84,7 @@ def start(
 ) -> None:
     """Deploy kvray on a running Ray cluster (idempotent): an index and a pool per node."""
     import kvray
-    from kvray.actors.join import ensure_ray
+    from kvray.cluster import ensure_ray
 
     disk: dict[str, Any] = {"disk_admit_min_hits": disk_admit_min_hits}
     if disk_dir is not None:
@@ -113,7 +113,7 @@ def stop(
 ) -> None:
     """Remove kvray (and the blocks it holds in RAM) from the cluster."""
     import kvray
-    from kvray.actors.join import ensure_ray
+    from kvray.cluster import ensure_ray
 
     _run(ensure_ray, address)
     removed = _run(kvray.stop, namespace, purge=purge)
@@ -135,7 +135,7 @@ def status(
 ) -> None:
     """Per-node blocks, bytes, hit rate, evictions, refused puts and lost blocks."""
     import kvray
-    from kvray.actors.join import ensure_ray
+    from kvray.cluster import ensure_ray
 
     if watch and as_json:
         _fail("--watch and --json cannot be combined")
@@ -219,7 +219,7 @@ def monitor(
     import threading
 
     from kvray import monitor as monitor_mod
-    from kvray.actors.join import ensure_ray
+    from kvray.cluster import ensure_ray
 
     if scrape_interval is not None and not 0.1 <= scrape_interval <= 3600:
         _fail(f"invalid --scrape-interval {scrape_interval!r}: expected 0.1 to 3600 seconds")
@@ -320,7 +320,7 @@ def serve(
     ] = None,
 ) -> None:
     """vLLM's OpenAI server on Ray Serve LLM, kvray on every replica, routed by kvray."""
-    from kvray.actors.join import ensure_ray
+    from kvray.cluster import ensure_ray
 
     cfg = _config(namespace, address, capacity=capacity)
     _run(ensure_ray, cfg.address)

@@ -26,7 +26,6 @@ import numpy as np
 import ray
 
 from kvray import shutdown
-from kvray.actors.join import ensure_ray, get_control
 from kvray.blockio import BlockIO
 from kvray.blocks import (
     Blocks,
@@ -40,6 +39,7 @@ from kvray.blocks import (
     quick_keys,
     stacked,
 )
+from kvray.cluster import ensure_ray, get_control
 from kvray.config import KVRayConfig
 from kvray.errors import BlockLostError, InvalidArgumentError, StoreUnavailableError
 from kvray.feed import Subscriber
@@ -370,7 +370,15 @@ class Store:
 
         timeout = check_timeout(timeout, 10.0)
         self._check_open("stats")
-        return gather_stats(self, timeout)
+        view = self.feed.view if self.feed is not None else None
+        mine = {
+            "view_keys": len(view) if view is not None else 0,
+            "view_bytes": view.nbytes if view is not None else 0,
+            "refused_inflight": self.io.refused_inflight,
+            "thread_deaths": self.thread_deaths,
+        }
+        ns = self.config.namespace
+        return gather_stats(ns, self.num_index_shards, self.io.handle, mine, timeout)
 
     @property
     def closed(self) -> bool:

@@ -1,30 +1,38 @@
-"""``Store.stats()``: cluster-wide figures gathered from the reconciler, index shards and pools."""
+"""``Store.stats()``: cluster-wide figures gathered from the reconciler, index shards and pools.
+
+Knows nothing of the client: the store hands it its namespace, how it reaches a pool and its own
+figures (imports point one way: the client uses this module, never the other way round)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
-from kvray.actors.join import get_control
+from kvray.cluster import get_control
 from kvray.meta.messages import RAY_NAMESPACE, index_name
 
-if TYPE_CHECKING:
-    from kvray.client import Store
 
-
-def gather_stats(store: Store, timeout: float) -> dict[str, Any]:
-    ns = store.config.namespace
+def gather_stats(
+    ns: str,
+    num_index_shards: int,
+    pool_handle: Callable[[str], Any],
+    client: dict[str, int],
+    timeout: float,
+) -> dict[str, Any]:
+    """Figures of namespace ``ns``: the reconciler's, each index shard's and each pool's (its
+    handle from ``pool_handle(actor name)``), their totals, and the caller's ``client``."""
     control = get_control(ns)
     ctl = ray.get(control.stats.remote(), timeout=timeout)
     shard_refs = [
         ray.get_actor(index_name(ns, i), namespace=RAY_NAMESPACE).stats.remote()
-        for i in range(store.num_index_shards)
+        for i in range(num_index_shards)
     ]
     pool_refs = {}
     for _slot, (node_id, _alive) in sorted(ctl["pools"].items()):
         try:
-            pool_refs[node_id] = store.io.handle(f"{ns}/pool/{node_id}").stats.remote()
+            pool_refs[node_id] = pool_handle(f"{ns}/pool/{node_id}").stats.remote()
         except Exception as e:
             pool_refs[node_id] = e
     shards = []
@@ -52,16 +60,10 @@ def gather_stats(store: Store, timeout: float) -> dict[str, Any]:
         "log_entries": sum(s["log_entries"] for s in good),
         "shards": shards,
     }
-    view = store.feed.view if store.feed is not None else None
     return {
         "namespace": ns,
         "index": index,
         "totals": totals,
         "nodes": per_node,
-        "client": {
-            "view_keys": len(view) if view is not None else 0,
-            "view_bytes": view.nbytes if view is not None else 0,
-            "refused_inflight": store.io.refused_inflight,
-            "thread_deaths": store.thread_deaths,
-        },
+        "client": client,
     }

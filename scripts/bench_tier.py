@@ -52,11 +52,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kvray.actors.segment import SegmentMeta
 from kvray.blocks import checksum
 from kvray.disk import DiskTier, segfile
 from kvray.disk.payload import Payload
 from kvray.disk.writer import GROUP_BYTES
+from kvray.meta.segment import SegmentMeta
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -71,8 +71,8 @@ def _orders(n: int) -> list[list[int]]:
 def readback_figures(work: Path, ram: int) -> dict[str, Any]:
     """Hits and GB/s of each read-back phase, the pool's counters, and the overall hit rate."""
     import kvray
-    from kvray.actors.join import local_node_id
     from kvray.client import checksum
+    from kvray.cluster import local_node_id
     from kvray.meta.messages import RAY_NAMESPACE, pool_name
 
     n = 4 * ram // BLOCK

@@ -106,7 +106,7 @@ def ttft_figures(work: Path, rounds: int, repeats: int) -> dict[str, Any]:
     from vllm_helpers import build_tiny_llama
 
     import kvray
-    from kvray.actors.join import local_node_id
+    from kvray.cluster import local_node_id
     from kvray.meta.messages import RAY_NAMESPACE, pool_name
 
     shape = bench_e2e.MODEL_SHAPE

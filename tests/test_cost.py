@@ -36,7 +36,7 @@ def _polls(urls: list[str]) -> int:
 
 
 def test_joining_keeps_the_callers_random_state() -> None:
-    from kvray.actors.join import _unseeded_random
+    from kvray.cluster import _unseeded_random
 
     random.seed(1234)
     want = random.random()
@@ -53,7 +53,7 @@ def test_same_seed_engines_do_not_storm_the_gcs(ray_cluster: Cluster) -> None:
         f"""
         import random, time
         random.seed(0)  # vLLM's set_random_seed(0) runs before the connector joins Ray
-        from kvray.actors.join import ensure_ray
+        from kvray.cluster import ensure_ray
         ensure_ray({ray_cluster.address!r})
         time.sleep(6)
         """

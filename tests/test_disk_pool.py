@@ -28,13 +28,13 @@ from typer.testing import CliRunner
 from vllm_helpers import in_process_engines
 
 import kvray
-from kvray.actors.segment import SegmentMeta
 from kvray.blocks import checksum
 from kvray.cli import app
 from kvray.config import ConfigError, KVRayConfig
 from kvray.disk import DiskTier, fingerprint, segfile
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
+from kvray.meta.segment import SegmentMeta
 
 MiB = 1 << 20
 BLOCK = 256 << 10

@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from kvray.actors.segment import SegmentMeta
 from kvray.blocks import checksum
 from kvray.config import ConfigError
 from kvray.disk import DiskSegment, DiskTier, admit, segfile
 from kvray.disk.payload import Payload, check_payload, meta_digest
 from kvray.errors import BlockLostError, KVRayError
+from kvray.meta.segment import SegmentMeta
 
 MiB = 1 << 20
 FORMS = ["array", "list", "views"]  # 2D array; scattered 1D arrays; 1D views of one buffer
@@ -256,7 +256,7 @@ def test_read_of_a_file_corrupted_after_scan_is_lost_and_deleted(tmp_path) -> No
 _CRASHER = """
 import sys, time, numpy as np
 from kvray.disk import DiskTier
-from kvray.actors.segment import SegmentMeta
+from kvray.meta.segment import SegmentMeta
 tier = DiskTier(sys.argv[1], "ns", 256 << 20, max_pending_bytes=32 << 20)
 tier.scan()
 tier.on_spilled = lambda seg: print("spilled", seg.id, flush=True)

@@ -1,6 +1,8 @@
 """Dependencies point one way: each layer, imported alone in a fresh interpreter, loads none of
-what it must not need (no Ray or vLLM in the core and the kernels; no actor, disk tier or
-pyarrow in the connector's worker side). Fast: every layer's interpreter starts at once."""
+what it must not need (no Ray or vLLM in the core and the kernels; no actor code on the client
+side, which the server side builds on; no actor, disk tier or pyarrow in the connector's worker
+side; the disk tier never imports the pools above it). Fast: every layer's interpreter starts
+at once."""
 
 from __future__ import annotations
 
@@ -39,8 +41,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kvray.meta.messages": (*HEAVY, "torch"),
     # GPU/CPU copy kernels: torch and numpy only.
     "kvray.kernels": (*HEAVY, "cupy", "kvray.client"),
-    # The client: Ray, never the server side.
-    "kvray.client": (*SERVER, "pyarrow", "vllm", "torch"),
+    # The client side: Ray, never the server side (no actor code, no disk tier).
+    "kvray.client": (*SERVER, "kvray.actors", "kvray.disk", "pyarrow", "vllm", "torch"),
+    "kvray.cluster": (*SERVER, "kvray.actors", "kvray.disk", "kvray.client", "vllm", "torch"),
+    "kvray.blockio": (*SERVER, "kvray.actors", "kvray.disk", "kvray.client", "vllm", "torch"),
+    "kvray.feed": (*SERVER, "kvray.actors", "kvray.disk", "kvray.client", "vllm", "torch"),
+    "kvray.stats": (*SERVER, "kvray.actors", "kvray.disk", "kvray.client", "vllm", "torch"),
+    "kvray.meta.segment": (*HEAVY, "torch"),
+    # The disk tier is below the pools: it never imports them.
+    "kvray.disk": ("kvray.actors", "kvray.client", "vllm", "torch"),
     # The connector (in vLLM's processes): the worker side never imports server code.
     "kvray.connector.worker": (
         *SERVER,

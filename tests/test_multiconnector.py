@@ -398,7 +398,7 @@ def test_ray_serve_llm_multiconnector_backend_completes_the_deployment_config(
     vLLM can then load kvray by name alone, and the engine's top-level policy is "recompute"."""
     import ray
 
-    from kvray.actors.join import NODE_ENV
+    from kvray.cluster import NODE_ENV
     from kvray.serving.app import build_llm_config
     from kvray.serving.backend import RESERVED_CPU_ENV, register_backend
 

@@ -424,7 +424,7 @@ def test_backend_is_registered_and_fills_in_the_connector(served: Served) -> Non
 
 
 def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
-    from kvray.actors.join import NODE_ENV
+    from kvray.cluster import NODE_ENV
     from kvray.config import ConfigError
     from kvray.serving.app import build_llm_config
     from kvray.serving.backend import RESERVED_CPU_ENV, KVRayConnectorBackend

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from kvray.actors.join import ensure_ray, get_control
 from kvray.actors.reconciler import Reconciler, ReconcilerActor, spawn_pool
+from kvray.cluster import ensure_ray, get_control
 from kvray.config import KVRayConfig
 from kvray.errors import InvalidArgumentError, NotStartedError, StoreUnavailableError
 from kvray.meta.messages import (

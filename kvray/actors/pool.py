@@ -37,12 +37,12 @@ from kvray.actors import slices
 from kvray.actors.leases import Held, Leases
 from kvray.actors.poolstate import PoolState, Removed
 from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
-from kvray.actors.segment import SegmentMeta
 from kvray.actors.tiering import Tiering
 from kvray.disk import DiskSettings
 from kvray.errors import InvalidArgumentError
 from kvray.meta.ids import index_shard_of, shard_ids
 from kvray.meta.messages import Inventory, LeaseReply, PutResult
+from kvray.meta.segment import SegmentMeta
 from kvray.metrics import PoolMetrics
 from kvray.threads import SupervisedThread
 

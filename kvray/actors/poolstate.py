@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from ray import ObjectRef
 
-from kvray.actors.segment import SegmentMeta
 from kvray.disk import DiskSegment
 from kvray.meta.ids import shard_ids
 from kvray.meta.idtable import IdTable
+from kvray.meta.segment import SegmentMeta
 
 __all__ = ["STATS_COUNTERS", "Counters", "PoolState", "Removed", "Segment"]
 

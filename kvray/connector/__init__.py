@@ -87,7 +87,7 @@ def _publish_key_space(config: KVRayConfig, ks: EngineKeySpace, vllm_config: Vll
     """Tell routers how to compute this engine's keys (:mod:`kvray.registry`)."""
     import os
 
-    from kvray.actors.join import local_node_id
+    from kvray.cluster import local_node_id
     from kvray.registry import KeySpaceInfo, publish_key_space
 
     m = vllm_config.model_config
@@ -265,7 +265,7 @@ class KVRayConnector(KVConnectorBase_V1):
             return
         if self.engine_reporter is not None:
             return
-        from kvray.actors.join import local_node_id
+        from kvray.cluster import local_node_id
 
         self.engine_reporter = EngineReporter(
             self.config.namespace, self.store.num_index_shards, local_node_id()

@@ -41,7 +41,7 @@ def join_cluster(config: KVRayConfig) -> None:
             "kvray connector: no Ray cluster to join: set RAY_ADDRESS or the 'address' key of "
             "kv_connector_extra_config (use address='local' for a private single-node cluster)"
         )
-    from kvray.actors.join import ensure_ray
+    from kvray.cluster import ensure_ray
 
     ensure_ray(address)  # probes HOST:PORT first: an unreachable cluster fails in seconds
 

@@ -14,9 +14,9 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvray.actors.segment import SegmentMeta
 from kvray.disk import segfile
 from kvray.disk.slot import Slot, unlink
+from kvray.meta.segment import SegmentMeta
 
 __all__ = ["Counters", "DiskSegment", "FileIndex", "scan_slot"]
 

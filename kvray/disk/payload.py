@@ -1,4 +1,4 @@
-"""Segment payloads and checks around :class:`~kvray.actors.segment.SegmentMeta` for the disk tier.
+"""Segment payloads and checks around :class:`~kvray.meta.segment.SegmentMeta` for the disk tier.
 
 A segment's *payload* is its bytes in one of two forms, ``payload[i]`` being block ``i`` either
 way: a 2D C-contiguous uint8 array ``[n, block_nbytes]`` (every block the same size, the common
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from kvray.actors.segment import SegmentMeta
 from kvray.blocks import Blocks, checksum
+from kvray.meta.segment import SegmentMeta
 
 __all__ = [
     "Payload",

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from kvray.actors.segment import SegmentMeta
 from kvray.disk.payload import Payload, meta_digest
+from kvray.meta.segment import SegmentMeta
 
 __all__ = [
     "FORMAT",

@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvray.actors.segment import SegmentMeta
 from kvray.config import MIN_CAPACITY, ConfigError, check_namespace, parse_bytes
 from kvray.disk import segfile
 from kvray.disk.files import Counters, DiskSegment, FileIndex, scan_slot
@@ -38,6 +37,7 @@ from kvray.disk.writer import (
     Job,
 )
 from kvray.errors import BlockLostError, KVRayError
+from kvray.meta.segment import SegmentMeta
 from kvray.threads import SupervisedThread
 
 __all__ = ["DiskTier"]

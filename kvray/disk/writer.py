@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kvray.actors.segment import SegmentMeta
 from kvray.disk import segfile
 from kvray.disk.payload import Payload
 from kvray.disk.slot import Slot
+from kvray.meta.segment import SegmentMeta
 
 __all__ = ["GROUP_BYTES", "GROUP_FILES", "Job", "SegmentFile", "chunks", "prepare", "write_files"]
 
