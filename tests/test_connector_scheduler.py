@@ -348,7 +348,7 @@ def test_every_rank_reports_every_load_job(harness_factory: Any) -> None:
     try:
         for rank in (0, 1):
             handler.tp_rank = rank
-            w.start_load_kv(KVRayConnectorMetadata(loads={77: spec}, pools={}))
+            w.start_load_kv(KVRayConnectorMetadata(loads={77: spec}))
             meta = w.build_connector_worker_meta()
             assert meta is not None
             assert meta.completed_jobs == {77: 1} and meta.failed_jobs == {77: 1}
