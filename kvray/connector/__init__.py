@@ -270,6 +270,8 @@ class KVRayConnector(KVConnectorBase_V1):
         self.engine_reporter = EngineReporter(
             self.config.namespace, self.store.num_index_shards, local_node_id()
         )
+        pricing = self.connector_scheduler.pricing
+        self.engine_reporter.costs = lambda: pricing.published  # routers read them (issue 32)
         self.engine_reporter.install(gpu_block_pool)
 
     def shutdown(self) -> None:

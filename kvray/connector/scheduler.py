@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvray.config import KVRayConfig
 from kvray.connector.handoff import (
     HANDOFF_WAIT_S,
@@ -44,6 +46,7 @@ from kvray.connector.metadata import (
     StoreSpec,
     TransferCounters,
 )
+from kvray.connector.pricing import Pricing
 from kvray.connector.quarantine import Quarantine
 from kvray.connector.sides import CacheManager, ViewStore
 
@@ -80,6 +83,10 @@ class _RequestState:
     handoff: Handoff | None = None
     handoff_read: bool = False
     handoff_begun: bool = False
+    #: Its hit was priced and found cheaper to compute (declines count once a request).
+    declined: bool = False
+    #: Its prompt tokens left to compute were measured (once, at its first allocation).
+    seen: bool = False
 
 
 @dataclass
@@ -136,6 +143,14 @@ class KVRayConnectorScheduler:
         self.hit_tokens = 0
         self.cross_tp_hit_tokens = 0
         self.lookups = 0
+        #: The engine's measured costs; hits are loaded only where the load pays (issue 32).
+        self.pricing = Pricing(
+            self.block_size,
+            world_size,
+            local_pool,
+            manager.store.local_view,
+            loads_in_step=not self._load_async,
+        )
 
     # ---------------------------------------------------------------- lookups
     def _find_hit(self, block_hashes: list[bytes]) -> tuple[int, int]:
@@ -174,10 +189,25 @@ class KVRayConnectorScheduler:
                 return _hit_tokens(request, hit_blocks * bs) - num_computed_tokens, self._load_async
         self.lookups += 1
         hit_blocks, state.hit_grouping = self._find_hit(hashes)
+        if hit_blocks > start and self.pricing.warm:
+            hit_blocks = self._priced(state, hashes, start, hit_blocks)
         if hit_blocks <= start:
             return 0, False
         num_tokens = _hit_tokens(request, hit_blocks * bs) - num_computed_tokens
         return num_tokens, self._load_async
+
+    def _priced(self, state: _RequestState, hashes: list[bytes], start: int, end: int) -> int:
+        """Where the hit of blocks [start, end) should stop: the blocks whose load beats
+        their recompute, by the engine's measured costs (:mod:`kvray.meta.costs`)."""
+        ids = self.key_space.block_ids(hashes[start:end], state.hit_grouping)
+        locs = self.store.local_view().locs(ids).astype(np.int64)
+        keep = start + self.pricing.tokens_to_load(locs) // self.block_size
+        if keep < end and not state.declined:
+            state.declined = True
+            tokens = (end - keep) * self.block_size
+            self.pricing.declined(tokens)
+            self.store.count(loads_declined=1, tokens_declined=tokens)
+        return keep
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -186,6 +216,10 @@ class KVRayConnectorScheduler:
         if state is None:
             state = self._reqs[request.request_id] = _RequestState(request)
         state.block_ids = list(blocks.get_block_ids()[0])
+        if not state.seen:
+            state.seen = True
+            left = request.num_tokens - state.num_local_tokens - num_external_tokens
+            self.pricing.request_seen(left)
         if num_external_tokens == 0:
             return
         bs = self.block_size
@@ -224,6 +258,8 @@ class KVRayConnectorScheduler:
         )
         state.load_job = job_id
         state.load_is_async = is_async
+        if handoff is None:  # a handoff's load waits for the prefill's puts: not a figure
+            self.pricing.planned(job_id, plan.locs, num_external_tokens)
         # Hits are not stored again; a failed load lowers this (update_connector_output).
         state.num_planned_blocks = max(state.num_planned_blocks, last)
         self.hit_tokens += num_external_tokens
@@ -278,6 +314,7 @@ class KVRayConnectorScheduler:
         """This step's loads (planned at allocation) and stores (blocks this step fills)."""
         block_state = scheduler_output.kv_connector_block_state
         self.handoffs.stepped()
+        self.pricing.step(scheduler_output, self._reqs)
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
             if state is None:
@@ -318,6 +355,7 @@ class KVRayConnectorScheduler:
         if not isinstance(meta, KVRayWorkerMetadata):
             return
         self.counters = self.counters.add(meta.counters)
+        self.pricing.loads_done(meta.counters.load_seconds, meta.completed_jobs)
         for job_id, n in meta.completed_jobs.items():
             job = self._jobs.get(job_id)
             if job is None:

@@ -1,0 +1,112 @@
+"""The connector loads only what pays (issue 32): vLLM's real ``Scheduler`` with kvray's
+connector (the harness of ``test_connector_scheduler``), real Ray.
+
+A pool made slow (the worker's reads wait 1.5 s) is measured by the connector's own load
+figures; the next hit from it is left to vLLM to compute: 0 external tokens, no load job,
+counted, and the KV vLLM computes is the one a load would have written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import test_connector_scheduler as tcs
+from vllm_helpers import BLOCK_SIZE
+
+pytestmark = [pytest.mark.vllm]
+
+SLOW_S = 1.5
+
+# The harness's fixtures (a tiny model, a Scheduler with both connector roles).
+model_dir = tcs.model_dir
+harness_factory = tcs.harness_factory
+prompt = tcs.prompt
+
+
+def _warm_up(h: Any) -> None:
+    """Prompts computed and stored: the engine's step costs are measured (no hit needed)."""
+    for seed in (101, 102):
+        h.add(prompt(6 * BLOCK_SIZE + 3, seed=seed))
+        h.add(prompt(2 * BLOCK_SIZE + 1, seed=seed + 10))
+        h.run()
+    h.sconn.pricing.refresh_soon()
+    h.step()  # an empty step refreshes the estimates
+    assert h.sconn.pricing.warm, "the engine's prefill was not measured"
+
+
+def _kv_of(h: Any, req_id: str) -> list[int]:
+    return list(h.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def test_a_slow_pool_is_measured_and_its_hit_recomputed(
+    harness_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = harness_factory(load_mode="sync", load_timeout_s=10.0)  # the slow load completes
+    sc = h.sconn
+    p = prompt(6 * BLOCK_SIZE + 4, seed=7)
+    h.add(p)
+    h.settle()
+    _warm_up(h)
+    assert sc.pricing.costs.load("local") is None and sc.pricing.costs.load("remote") is None
+
+    # 1. The pool turns slow. The load path was never measured: the hit is loaded (as before
+    #    any estimate), and its seconds are measured.
+    store = h.worker.worker.handler.store
+    fetch = store.fetch_from
+
+    def slow_fetch(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(SLOW_S)
+        return fetch(*args, **kwargs)
+
+    monkeypatch.setattr(store, "fetch_from", slow_fetch)
+    first = h.add(p)
+    so = h.step()
+    assert len(so.kv_connector_metadata.loads) == 1
+    h.run()
+    assert sc.pricing.loads == 1
+    sc.pricing.refresh_soon()
+    h.step()
+    line = sc.pricing.costs.load("local") or sc.pricing.costs.load("remote")
+    assert line is not None and line.seconds(6 * BLOCK_SIZE) >= SLOW_S / 2
+    h.settle()
+
+    # 2. The same prompt again: recomputed, no load issued, counted.
+    declined, tokens = sc.pricing.loads_declined, sc.pricing.tokens_declined
+    hits, loaded = sc.hit_tokens, sc.counters.loaded_blocks
+    second = h.add(p)
+    so = h.step()
+    assert not so.kv_connector_metadata.loads, sc.pricing.costs
+    assert so.num_scheduled_tokens[second.request_id] == len(p)  # computes the whole prompt
+    blocks = _kv_of(h, second.request_id)
+    # the KV vLLM computed is what the load of step 1 wrote: same values, block for block
+    for i in range(6):
+        assert h.block_matches(blocks[i], p[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], i * BLOCK_SIZE)
+    h.run()
+    assert sc.pricing.loads_declined == declined + 1
+    assert sc.pricing.tokens_declined == tokens + 6 * BLOCK_SIZE
+    assert sc.hit_tokens == hits and sc.counters.loaded_blocks == loaded
+    assert list(first.output_token_ids) == list(second.output_token_ids)
+
+
+def test_cold_start_loads_every_hit(harness_factory: Any) -> None:
+    """No estimate yet: today's behaviour exactly (the hit is loaded, nothing declined)."""
+    h = harness_factory(load_mode="sync")
+    p = prompt(3 * BLOCK_SIZE + 4, seed=8)
+    h.add(p)
+    h.settle()
+    sc = h.sconn
+    sc.pricing.engine.step = type(sc.pricing.engine.step)()  # forget what was measured
+    sc.pricing.refresh_soon()
+    h.step()
+    assert not sc.pricing.warm and sc.pricing.published == ()
+    h.add(p)
+    so = h.step()
+    (load,) = so.kv_connector_metadata.loads.values()
+    assert len(load.block_ids) == 3
+    h.run()
+    assert sc.pricing.loads_declined == 0
