@@ -110,3 +110,71 @@ def test_cold_start_loads_every_hit(harness_factory: Any) -> None:
     assert len(load.block_ids) == 3
     h.run()
     assert sc.pricing.loads_declined == 0
+
+
+def test_engine_tokens_identical_when_a_slow_pool_is_recomputed(
+    kvray_ns: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real in-process vLLM engine: the prompts' KV is stored, the pool turns slow, one
+    load measures it, and the next run computes the prompts instead (nothing from kvray,
+    counted); the token ids are the same as without kvray every time."""
+    from vllm import LLM
+    from vllm_helpers import (
+        build_tiny_llama,
+        cached_tokens,
+        close_llm,
+        connector_of,
+        engine_kwargs,
+        finish_delayed_frees,
+        generate,
+        in_process_engines,
+        kvray_transfer_config,
+        make_prompts,
+        token_ids,
+        worker_connector_of,
+    )
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("costs-llama"))
+    prompts = make_prompts(2, 200, 30, seed=9)
+    with in_process_engines():
+        plain = LLM(**engine_kwargs(model))
+        try:
+            want = token_ids(generate(plain, prompts))
+        finally:
+            close_llm(plain)
+        ktc = kvray_transfer_config(kvray_ns, load_timeout_s=10.0)
+        llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
+        try:
+            sched = connector_of(llm).scheduler
+            worker = worker_connector_of(llm).worker
+
+            def settle() -> None:
+                finish_delayed_frees(llm)
+                worker.flush()
+                connector_of(llm).store.sync()
+                assert llm.reset_prefix_cache()
+
+            assert token_ids(generate(llm, prompts)) == want  # computed and stored
+            settle()
+            assert sched.pricing.warm  # the engine's steps were measured
+            store = worker.handler.store
+            fetch = store.fetch_from
+
+            def slow_fetch(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(SLOW_S)
+                return fetch(*args, **kwargs)
+
+            monkeypatch.setattr(store, "fetch_from", slow_fetch)
+            loaded = generate(llm, prompts[:1])  # never measured: loaded, slowly
+            assert token_ids(loaded) == want[:1] and cached_tokens(loaded)[0] > 0
+            assert sched.pricing.loads >= 1
+            settle()
+            declined = sched.pricing.loads_declined
+            again = generate(llm, prompts)
+            assert token_ids(again) == want
+            # the first prompt's prefix came from nowhere (vLLM's cache was reset, kvray
+            # declined); the second may share it from vLLM's own cache in the same batch
+            assert cached_tokens(again)[0] == 0
+            assert sched.pricing.loads_declined > declined
+        finally:
+            close_llm(llm)
