@@ -236,3 +236,11 @@ def test_router_without_estimates_falls_back_and_stands_in() -> None:
     mixed = [Candidate(queue=4, costs=warm), Candidate(queue=0)]
     got = pick_ttft(["a", "b"], 10, mixed, 16, random.Random(0))
     assert got is not None and got[0][0] == "b"
+
+
+def test_an_unchanged_report_compares_equal() -> None:
+    """The index bumps its version (and wakes routers' feeds) only when a report's figures
+    changed: the same estimates must give equal tuples (no NaN on the wire)."""
+    c = Costs(prefill_s_per_token=1e-4, step_s=0.01)
+    assert c.to_wire() == Costs(prefill_s_per_token=1e-4, step_s=0.01).to_wire()
+    assert all(v == v for v in c.to_wire())

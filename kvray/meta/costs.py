@@ -167,7 +167,9 @@ class LoadLine:
         return self.fixed_s + tokens * self.s_per_token if tokens > 0 else 0.0
 
 
-_NAN = float("nan")
+#: An unknown estimate on the wire (not NaN: NaN != NaN would make every report look new
+#: to the index, which then wakes every router's feed).
+UNKNOWN = -1.0
 
 
 @dataclass(frozen=True)
@@ -201,11 +203,12 @@ class Costs:
         return self.prefill_s_per_token is not None and self.step_s is not None
 
     def to_wire(self) -> tuple[float, ...]:
-        """Floats in field order, NaN for unknown, 3 significant digits (fewer changes)."""
+        """Floats in field order, :data:`UNKNOWN` (-1) for unknown, 3 significant digits (a
+        report whose figures did not change compares equal: the index wakes no feed)."""
         out = []
         for f in fields(self):
             v = getattr(self, f.name)
-            out.append(_NAN if v is None else float(f"{v:.3g}"))
+            out.append(UNKNOWN if v is None else float(f"{v:.3g}"))
         return tuple(out)
 
     @classmethod
@@ -220,7 +223,7 @@ class Costs:
                 x = float(v)
             except (TypeError, ValueError):
                 return None
-            if math.isnan(x):
+            if x == UNKNOWN:
                 if f.default is None:
                     kw[f.name] = None
                 continue

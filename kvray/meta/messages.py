@@ -155,7 +155,7 @@ class ReplicaInfo:
     usage: float = 0.0
     #: Engine blocks it holds (as last reported).
     blocks: int = 0
-    #: Its cost estimates (:meth:`kvray.meta.costs.Costs.to_wire`: a few floats, NaN for
+    #: Its cost estimates (:meth:`kvray.meta.costs.Costs.to_wire`: a few floats, -1 for
     #: unknown; empty from an engine that measures nothing yet, or an older one).
     costs: tuple[float, ...] = ()
 
