@@ -293,7 +293,10 @@ def serve(
     ] = None,
     capacity: Annotated[str, typer.Option(help="KV bytes per node, e.g. 8GiB")] = "1GiB",
     host: Annotated[str, typer.Option(help="HTTP bind address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
+    port: Annotated[
+        int | None,
+        typer.Option(help="HTTP port (default: the running Ray Serve's, else 8000)"),
+    ] = None,
     num_cpus: Annotated[float, typer.Option(help="CPUs per replica")] = 1,
     num_gpus: Annotated[float, typer.Option(help="GPUs per replica (0 on CPU)")] = 0,
     router: Annotated[
@@ -343,43 +346,39 @@ def serve(
 
 
 def _serve_until_interrupted(
-    model: str, cfg: KVRayConfig, host: str, port: int, **app_args: Any
+    model: str, cfg: KVRayConfig, host: str, port: int | None, **app_args: Any
 ) -> None:
-    """Start kvray and the app, print where it listens, block; Ctrl-C removes the app."""
+    """Start kvray and the app, print where it listens, block; Ctrl-C removes the app (and
+    Ray Serve, when this started it: :mod:`kvray.serving.ingress`)."""
     import time
-
-    from ray import serve
+    from contextlib import ExitStack
 
     import kvray
     from kvray.serve import build_app
+    from kvray.serving.ingress import serving
 
     if app_args.get("pd") is None:
         app_args.pop("pd", None)
     app_obj = build_app(model, namespace=cfg.namespace, **app_args)  # validates first
     if app_args.get("kv_cache", "kvray") == "kvray":
         kvray.start(cfg)
-    serve.start(http_options={"host": host, "port": port})
     name = f"kvray-{cfg.namespace}"
     what = (
         f"{app_args['replicas']} replica(s)"
         if app_args.get("pd") is None
         else f"prefill:decode {app_args['pd']} replicas"
     )
-    with console.status(f"starting {what} (vLLM) on Ray Serve LLM"):
-        try:
-            serve.run(app_obj, name=name, route_prefix="/")
-        except RuntimeError as e:  # Serve's "deployment failed", with the replica's error
-            raise KVRayError(f"kvray serve: the app did not start: {e}") from e
-    served = app_args.get("served_model_name") or model
-    console.print(
-        f"kvray serve: {what} of [bold]{served}[/] at "
-        f"http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)"
-    )
-    try:
+    with ExitStack() as stack:
+        with console.status(f"starting {what} (vLLM) on Ray Serve LLM"):
+            ingress = stack.enter_context(serving(app_obj, name, host, port))
+        if ingress.note:
+            console.print(f"kvray serve: {ingress.note}", highlight=False)
+        served = app_args.get("served_model_name") or model
+        console.print(
+            f"kvray serve: {what} of [bold]{served}[/] at {ingress.url} (OpenAI API; Ctrl-C stops)"
+        )
         while True:
             time.sleep(3600)
-    finally:
-        serve.delete(name)
 
 
 def _fail_fast_on_refused_connections() -> None:
@@ -387,11 +386,11 @@ def _fail_fast_on_refused_connections() -> None:
     should answer in seconds. (ray_constants is read at call time by ray.init.)"""
     try:
         from ray._private import ray_constants
-
-        if "RAY_NUM_REDIS_GET_RETRIES" not in os.environ:
-            ray_constants.NUM_REDIS_GET_RETRIES = 3
-    except Exception:
-        pass
+    except ImportError:  # a Ray without it: keep Ray's own retries
+        logging.getLogger(__name__).debug("kvray: ray._private.ray_constants not found")
+        return
+    if "RAY_NUM_REDIS_GET_RETRIES" not in os.environ:
+        ray_constants.NUM_REDIS_GET_RETRIES = 3
 
 
 def main() -> None:
