@@ -248,10 +248,13 @@ def test_pool_threads_are_restarted_counted_and_stopped_by_the_pool(pool: BlockP
         pub_resolve()
 
     pool._pub._resolve = resolve_once  # type: ignore[method-assign]
-    for owner, lock in ((tiering, tiering._wake), (tiering.tier, tiering.tier._lock)):
-        with lock:
-            owner._queue = _Tripwire()
-            owner._wake.notify_all()
+    with tiering._wake:
+        tiering._queue = _Tripwire()
+        tiering._wake.notify_all()
+    book = tiering.tier._book
+    with book.lock:
+        book.queue = _Tripwire()
+        book.wake.notify_all()
     _wait_for(lambda: all(t.deaths == 1 for t in threads.values()), 10, "four deaths")
     assert pool.stats()["thread_deaths"] == 4
     _wait_for(lambda: fired.is_set() and pool._metrics.raised, 5, "the injections")  # type: ignore[attr-defined]
@@ -271,10 +274,10 @@ def test_a_disk_writer_that_keeps_dying_closes_the_tier(pool: BlockPool) -> None
     assert tier is not None and tier._writer is not None
     tier._writer.restarts = 0
     with tier._lock:
-        tier._queue = _Tripwire()
-        tier._wake.notify_all()
+        tier._book.queue = _Tripwire()
+        tier._book.wake.notify_all()
     assert tier._writer.join(5)
-    assert tier._writer.deaths == 1 and tier._closing  # spills are refused from now on
+    assert tier._writer.deaths == 1 and tier._book.closing  # spills are refused from now on
 
 
 def test_every_kvray_thread_is_supervised() -> None:

@@ -1,8 +1,12 @@
-"""The disk tier's writer thread (part of :class:`~kvray.disk.tier.DiskTier`): it takes groups
-of queued segments, builds their files, evicts least recently used files until a chunk fits in
+"""The disk tier's writer (held by :class:`~kvray.disk.tier.DiskTier`) and the state both share.
+
+:class:`TierBook` is the tier's bookkeeping under one lock: the file index, the spill queue and
+its bytes, the counters. The tier and its :class:`SpillWriter` are each handed the same book;
+the writer also gets the slot it writes in and the events to tell. Its thread takes groups of
+queued segments, builds their files, evicts least recently used files until a chunk fits in
 ``capacity``, writes the chunk (:func:`~kvray.disk.writer.write_files`) and registers what
 landed, telling the owner through ``on_spilled`` / ``on_evicted`` / ``on_dropped`` outside the
-tier's lock.
+lock.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvray.disk.files import Counters, DiskSegment, FileIndex
 from kvray.disk.slot import Slot, unlink
@@ -24,119 +29,47 @@ from kvray.disk.writer import (
     write_files,
 )
 
-__all__ = ["SpillWriter"]
+__all__ = ["SpillEvents", "SpillWriter", "TierBook"]
 
 logger = logging.getLogger(__name__)
 
 
-class SpillWriter:
-    """The writer loop, mixed into the tier, whose state it shares (under the tier's lock)."""
+class TierBook:
+    """A tier's files, queue and counters; every field is read and written under ``lock``."""
 
-    namespace: str
-    fingerprint: str
-    capacity: int
-    on_spilled: Callable[[DiskSegment], None] | None
-    on_evicted: Callable[[list[DiskSegment]], None] | None
-    on_dropped: Callable[[list[int]], None] | None
-    _lock: threading.Lock
-    _wake: threading.Condition
-    _files: FileIndex
-    _queue: deque[Job]
-    _pending: int
-    _generation: int
-    _counters: Counters
-    _closing: bool
-    _next_id: int
-    _slot: Slot
+    def __init__(self, capacity: int, max_files: int, next_id: int) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)  # a spill queued, or closing
+        self.files = FileIndex(capacity, max_files)
+        self.queue: deque[Job] = deque()
+        self.pending = 0  # payload bytes queued or being written
+        self.generation = 0  # bumped by purge: a write that started before lands nowhere
+        self.counters = Counters()
+        self.closing = False
+        self.next_id = next_id
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._wake.wait(1.0)
-                if not self._queue:
-                    return
-                jobs = [self._queue.popleft()]
-                group = jobs[0].nbytes
-                while (
-                    self._queue
-                    and len(jobs) < GROUP_FILES
-                    and group + self._queue[0].nbytes <= GROUP_BYTES
-                ):
-                    jobs.append(self._queue.popleft())
-                    group += jobs[-1].nbytes
-            landed: set[int] = set()
-            try:
-                self._write_group(jobs, landed)
-            except Exception:  # a bug: keep the writer alive (the blocks are not on disk)
-                logger.exception("kvray disk tier: writer failed on %d segment(s)", len(jobs))
-                with self._lock:
-                    self._counters.write_errors += 1
-            finally:
-                # The owner drops what did not land before the queue has room again, so
-                # its copies of queued segments stay within max_pending_bytes.
-                self._notify_dropped([j.tag for j in jobs if id(j) not in landed])
-                with self._lock:
-                    self._pending -= group
+    def evict_for(self, size: int, files: int) -> list[DiskSegment]:
+        """Evict least recently used files until ``size`` bytes and ``files`` files fit."""
+        gone = self.files.evict_for(size, files)
+        self.counters.evictions += sum(len(seg.meta) for seg in gone)
+        return gone
 
-    def _write_group(self, jobs: list[Job], landed: set[int]) -> None:
-        """Build the files of a group of queued segments, then write them in chunks that fit;
-        adds the ``id`` of every job whose file landed to ``landed``."""
-        ready: list[SegmentFile] = []
-        for job in jobs:
-            try:
-                ready.append(prepare(job, self.namespace, self.fingerprint))
-            except Exception:  # a bug, not the disk: keep the writer alive, count it
-                logger.exception("kvray disk tier: cannot build a segment file")
-                with self._lock:
-                    self._counters.write_errors += 1
-                    self._counters.skipped += job.blocks
-        too_big = sum(len(f.meta) for f in ready if f.size > self.capacity)
-        if too_big:
-            with self._lock:
-                self._counters.skipped += too_big
-        for chunk in chunks(ready, self.capacity):
-            self._write_chunk(chunk, landed)
+    def drop_queue(self) -> None:
+        for job in self.queue:
+            self.counters.skipped += job.blocks
+            self.pending -= job.nbytes
+        self.queue.clear()
 
-    def _write_chunk(self, chunk: list[SegmentFile], landed: set[int]) -> None:
-        """Evict room for the chunk, write it (:func:`write_files`), register what landed."""
-        size = sum(f.size for f in chunk)
-        with self._lock:
-            generation = self._generation
-            for f in chunk:
-                f.seg_id = self._next_id
-                self._next_id += 1
-            gone = self._evict_for(size, len(chunk))
-            self._files.reserved += size
-        for seg in gone:
-            unlink(seg.path)
-        self._notify_evicted(gone)
-        done, failed = write_files(self._slot, chunk)
-        segs = [
-            DiskSegment(f.seg_id, self._slot.path(f.seg_id), f.meta, f.size, f.block_nbytes, f.tag)
-            for f in done
-        ]
-        with self._lock:
-            self._files.reserved -= size
-            purged = generation != self._generation
-            self._counters.skipped += sum(len(f.meta) for f, _ in failed)
-            if not purged:  # after a purge, a failure is its deleting our temporary file
-                self._counters.write_errors += len(failed)
-            errors = self._counters.write_errors
-            for seg in segs:
-                if purged:
-                    self._counters.skipped += len(seg.meta)
-                    continue
-                self._files.add(seg)
-                self._counters.spilled += len(seg.meta)
-                self._counters.spilled_bytes += seg.meta.nbytes
-        if failed and not purged and (errors <= 3 or errors % 100 < len(failed)):
-            logger.warning("kvray disk tier: %d write(s) failed: %s", len(failed), failed[0][1])
-        if purged:
-            for seg in segs:
-                unlink(seg.path)
-            return
-        landed.update(f.job_id for f in done)
+
+@dataclass
+class SpillEvents:
+    """What the tier's owner is told, from the writer thread, outside the lock."""
+
+    on_spilled: Callable[[DiskSegment], None] | None = None
+    on_evicted: Callable[[list[DiskSegment]], None] | None = None
+    on_dropped: Callable[[list[int]], None] | None = field(default=None)
+
+    def spilled(self, segs: list[DiskSegment]) -> None:
         callback = self.on_spilled
         for seg in segs:
             if callback is not None:
@@ -145,12 +78,7 @@ class SpillWriter:
                 except Exception:
                     logger.exception("kvray disk tier: on_spilled failed")
 
-    def _evict_for(self, size: int, files: int) -> list[DiskSegment]:
-        gone = self._files.evict_for(size, files)
-        self._counters.evictions += sum(len(seg.meta) for seg in gone)
-        return gone
-
-    def _notify_dropped(self, tags: list[int]) -> None:
+    def dropped(self, tags: list[int]) -> None:
         callback = self.on_dropped
         if tags and callback is not None:
             try:
@@ -158,10 +86,126 @@ class SpillWriter:
             except Exception:
                 logger.exception("kvray disk tier: on_dropped failed")
 
-    def _notify_evicted(self, gone: list[DiskSegment]) -> None:
+    def evicted(self, gone: list[DiskSegment]) -> None:
         callback = self.on_evicted
         if gone and callback is not None:
             try:
                 callback(gone)
             except Exception:
                 logger.exception("kvray disk tier: on_evicted failed")
+
+
+class SpillWriter:
+    """The writer loop of one tier: what it shares with the tier is the book it is handed."""
+
+    def __init__(
+        self,
+        book: TierBook,
+        slot: Slot,
+        events: SpillEvents,
+        *,
+        namespace: str,
+        fingerprint: str,
+        capacity: int,
+    ) -> None:
+        self.book = book
+        self.slot = slot
+        self.events = events
+        self.namespace = namespace
+        self.fingerprint = fingerprint
+        self.capacity = capacity
+
+    def run(self) -> None:
+        """The thread's loop: until closing and the queue is empty."""
+        book = self.book
+        while True:
+            with book.lock:
+                while not book.queue and not book.closing:
+                    book.wake.wait(1.0)
+                if not book.queue:
+                    return
+                jobs = [book.queue.popleft()]
+                group = jobs[0].nbytes
+                while (
+                    book.queue
+                    and len(jobs) < GROUP_FILES
+                    and group + book.queue[0].nbytes <= GROUP_BYTES
+                ):
+                    jobs.append(book.queue.popleft())
+                    group += jobs[-1].nbytes
+            landed: set[int] = set()
+            try:
+                self._write_group(jobs, landed)
+            except Exception:  # a bug: keep the writer alive (the blocks are not on disk)
+                logger.exception("kvray disk tier: writer failed on %d segment(s)", len(jobs))
+                with book.lock:
+                    book.counters.write_errors += 1
+            finally:
+                # The owner drops what did not land before the queue has room again, so
+                # its copies of queued segments stay within max_pending_bytes.
+                self.events.dropped([j.tag for j in jobs if id(j) not in landed])
+                with book.lock:
+                    book.pending -= group
+
+    def _write_group(self, jobs: list[Job], landed: set[int]) -> None:
+        """Build the files of a group of queued segments, then write them in chunks that fit;
+        adds the ``id`` of every job whose file landed to ``landed``."""
+        book = self.book
+        ready: list[SegmentFile] = []
+        for job in jobs:
+            try:
+                ready.append(prepare(job, self.namespace, self.fingerprint))
+            except Exception:  # a bug, not the disk: keep the writer alive, count it
+                logger.exception("kvray disk tier: cannot build a segment file")
+                with book.lock:
+                    book.counters.write_errors += 1
+                    book.counters.skipped += job.blocks
+        too_big = sum(len(f.meta) for f in ready if f.size > self.capacity)
+        if too_big:
+            with book.lock:
+                book.counters.skipped += too_big
+        for chunk in chunks(ready, self.capacity):
+            self._write_chunk(chunk, landed)
+
+    def _write_chunk(self, chunk: list[SegmentFile], landed: set[int]) -> None:
+        """Evict room for the chunk, write it (:func:`write_files`), register what landed."""
+        book = self.book
+        size = sum(f.size for f in chunk)
+        with book.lock:
+            generation = book.generation
+            for f in chunk:
+                f.seg_id = book.next_id
+                book.next_id += 1
+            gone = book.evict_for(size, len(chunk))
+            book.files.reserved += size
+        for seg in gone:
+            unlink(seg.path)
+        self.events.evicted(gone)
+        done, failed = write_files(self.slot, chunk)
+        segs = [
+            DiskSegment(f.seg_id, self.slot.path(f.seg_id), f.meta, f.size, f.block_nbytes, f.tag)
+            for f in done
+        ]
+        with book.lock:
+            c = book.counters
+            book.files.reserved -= size
+            purged = generation != book.generation
+            c.skipped += sum(len(f.meta) for f, _ in failed)
+            if not purged:  # after a purge, a failure is its deleting our temporary file
+                c.write_errors += len(failed)
+            errors = c.write_errors
+            for seg in segs:
+                if purged:
+                    c.skipped += len(seg.meta)
+                    continue
+                book.files.add(seg)
+                c.spilled += len(seg.meta)
+                c.spilled_bytes += seg.meta.nbytes
+        if failed and not purged and (errors <= 3 or errors % 100 < len(failed)):
+            logger.warning("kvray disk tier: %d write(s) failed: %s", len(failed), failed[0][1])
+        if purged:
+            for seg in segs:
+                unlink(seg.path)
+            return
+        landed.update(f.job_id for f in done)
+        self.events.spilled(segs)

@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
 from kvray.config import MIN_CAPACITY, ConfigError, check_namespace, parse_bytes
 from kvray.disk import segfile
-from kvray.disk.files import Counters, DiskSegment, FileIndex, scan_slot
+from kvray.disk.files import DiskSegment, scan_slot
 from kvray.disk.payload import Payload, bad_blocks, check_payload, check_select
 from kvray.disk.slot import Slot, unlink
-from kvray.disk.spiller import SpillWriter
-from kvray.disk.writer import (
-    Job,
-)
+from kvray.disk.spiller import SpillEvents, SpillWriter, TierBook
+from kvray.disk.writer import Job
 from kvray.errors import BlockLostError, KVRayError
 from kvray.meta.segment import SegmentMeta
 from kvray.threads import SupervisedThread
@@ -45,7 +41,7 @@ __all__ = ["DiskTier"]
 logger = logging.getLogger(__name__)
 
 
-class DiskTier(SpillWriter):
+class DiskTier:
     """Segment files of one pool on local disk, capacity-bounded and LRU-evicted."""
 
     def __init__(
@@ -72,18 +68,9 @@ class DiskTier(SpillWriter):
         self.fingerprint = fingerprint
         self.max_files = max_files
         self.base = os.path.join(os.fspath(root), namespace)
-        self.on_spilled: Callable[[DiskSegment], None] | None = None
-        self.on_evicted: Callable[[list[DiskSegment]], None] | None = None
-        self.on_dropped: Callable[[list[int]], None] | None = None
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._files = FileIndex(self.capacity, max_files)
-        self._queue: deque[Job] = deque()
-        self._pending = 0  # payload bytes queued or being written
-        self._generation = 0  # bumped by purge: a write that started before lands nowhere
-        self._counters = Counters()
+        #: What the owner is told (``on_spilled`` / ``on_evicted`` / ``on_dropped``).
+        self.events = SpillEvents()
         self._scanned = False
-        self._closing = False
         self._writer: SupervisedThread | None = None
         self._writer_done = False
         self._release_on_exit = False
@@ -92,8 +79,43 @@ class DiskTier(SpillWriter):
         except OSError as e:
             raise ConfigError("disk_dir", os.fspath(root), f"cannot use it: {e}") from None
         self.dir = self._slot.dir
-        self._next_id = 1 + max((i for i, _ in self._slot.segments()), default=0)
+        next_id = 1 + max((i for i, _ in self._slot.segments()), default=0)
+        self._book = TierBook(self.capacity, max_files, next_id)
+        self._lock = self._book.lock
+        self._spiller = SpillWriter(
+            self._book,
+            self._slot,
+            self.events,
+            namespace=namespace,
+            fingerprint=fingerprint,
+            capacity=self.capacity,
+        )
         logger.info("kvray disk tier in %s: capacity %d bytes", self.dir, self.capacity)
+
+    # The owner's callbacks, kept in ``events`` (the writer reads them there).
+    @property
+    def on_spilled(self) -> Callable[[DiskSegment], None] | None:
+        return self.events.on_spilled
+
+    @on_spilled.setter
+    def on_spilled(self, callback: Callable[[DiskSegment], None] | None) -> None:
+        self.events.on_spilled = callback
+
+    @property
+    def on_evicted(self) -> Callable[[list[DiskSegment]], None] | None:
+        return self.events.on_evicted
+
+    @on_evicted.setter
+    def on_evicted(self, callback: Callable[[list[DiskSegment]], None] | None) -> None:
+        self.events.on_evicted = callback
+
+    @property
+    def on_dropped(self) -> Callable[[list[int]], None] | None:
+        return self.events.on_dropped
+
+    @on_dropped.setter
+    def on_dropped(self, callback: Callable[[list[int]], None] | None) -> None:
+        self.events.on_dropped = callback
 
     # ------------------------------------------------------------------ inventory
     def scan(self) -> list[DiskSegment]:
@@ -108,14 +130,14 @@ class DiskTier(SpillWriter):
             raise KVRayError("DiskTier.scan: call it before start()")
         found, corrupt = scan_slot(self._slot, self.namespace, self.fingerprint)
         with self._lock:
-            self._files.clear()
+            self._book.files.clear()
             for seg in found:
-                self._files.add(seg)
-            self._counters.scanned += self._files.blocks
-            self._counters.corrupt += corrupt
-            gone = self._evict_for(0, 0)
+                self._book.files.add(seg)
+            self._book.counters.scanned += self._book.files.blocks
+            self._book.counters.corrupt += corrupt
+            gone = self._book.evict_for(0, 0)
             self._scanned = True
-            survivors = list(self._files.files.values())
+            survivors = list(self._book.files.files.values())
         for seg in gone:
             unlink(seg.path)
         return survivors
@@ -126,10 +148,10 @@ class DiskTier(SpillWriter):
         with self._lock:
             if not self._scanned:
                 raise KVRayError("DiskTier.start: call scan() (or purge()) first")
-            if self._writer is not None or self._closing:
+            if self._writer is not None or self._book.closing:
                 raise KVRayError("DiskTier.start: already started or closed")
             self._writer = SupervisedThread(
-                self._run,
+                self._spiller.run,
                 "kvray-disk-writer",
                 f"the disk tier in {self.dir}",
                 on_death=self._writer_died,
@@ -166,15 +188,15 @@ class DiskTier(SpillWriter):
         nbytes = meta.nbytes if select is None else int(meta.sizes[select].sum())
         with self._lock:
             if (
-                self._closing
-                or self._pending + nbytes > self.max_pending_bytes
+                self._book.closing
+                or self._book.pending + nbytes > self.max_pending_bytes
                 or nbytes + meta.meta_nbytes > self.capacity
             ):
-                self._counters.skipped += n
+                self._book.counters.skipped += n
                 return False
-            self._queue.append(Job(meta, payload, select, nbytes, tag))
-            self._pending += nbytes
-            self._wake.notify()
+            self._book.queue.append(Job(meta, payload, select, nbytes, tag))
+            self._book.pending += nbytes
+            self._book.wake.notify()
         return True
 
     def _writer_exit(self) -> None:
@@ -187,10 +209,10 @@ class DiskTier(SpillWriter):
         """The writer died for good: refuse spills from now on (``disk_skipped``) and give the
         queued segments back to the owner."""
         with self._lock:
-            self._closing = True
-            tags = [job.tag for job in self._queue]
-            self._drop_queue()
-        self._notify_dropped(tags)
+            self._book.closing = True
+            tags = [job.tag for job in self._book.queue]
+            self._book.drop_queue()
+        self.events.dropped(tags)
 
     # ------------------------------------------------------------------ reads
     def read(self, seg: DiskSegment) -> Payload:
@@ -209,7 +231,7 @@ class DiskTier(SpillWriter):
         except segfile.SegmentFileError as e:
             logger.warning("kvray disk tier: deleting corrupt file %s: %s", seg.path, e)
             with self._lock:
-                self._counters.corrupt += 1
+                self._book.counters.corrupt += 1
             self.remove(seg)
             raise BlockLostError(seg.meta.keys(), f"corrupt disk file: {e}") from None
 
@@ -223,20 +245,20 @@ class DiskTier(SpillWriter):
         if bad:
             logger.warning("kvray disk tier: %d corrupt block(s) in %s", len(bad), seg.path)
             with self._lock:
-                self._counters.corrupt += 1
+                self._book.counters.corrupt += 1
         return bad
 
     def touch(self, seg: DiskSegment) -> None:
         """Mark a file most recently used (in memory; a restart orders files by write time)."""
         with self._lock:
-            self._files.touch(seg.id)
+            self._book.files.touch(seg.id)
 
     def remove(self, seg: DiskSegment) -> bool:
         """Delete a file (e.g. found corrupt); no callback. False if it was not held."""
         with self._lock:
-            held = self._files.pop(seg.id)
+            held = self._book.files.pop(seg.id)
             if held is not None:
-                self._counters.removed += len(held.meta)
+                self._book.counters.removed += len(held.meta)
         unlink(seg.path)
         return held is not None
 
@@ -245,11 +267,11 @@ class DiskTier(SpillWriter):
         writes, and those of slots no live tier holds. Returns the number of files deleted.
         No callbacks; the tier stays usable (empty) until closed."""
         with self._lock:
-            if self._closing:
+            if self._book.closing:
                 raise KVRayError("DiskTier.purge: the tier is closed (purge before close)")
-            self._generation += 1
-            self._drop_queue()
-            self._counters.removed += self._files.clear()
+            self._book.generation += 1
+            self._book.drop_queue()
+            self._book.counters.removed += self._book.files.clear()
             self._scanned = True
         deleted = self._slot.purge()
         logger.info("kvray disk tier: purged %d file(s) under %s", deleted, self.base)
@@ -264,28 +286,22 @@ class DiskTier(SpillWriter):
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
             raise ValueError(f"DiskTier.close: timeout must be seconds >= 0, got {timeout!r}")
         with self._lock:
-            self._closing = True
+            self._book.closing = True
             if not drain:
-                self._drop_queue()
-            self._wake.notify_all()
+                self._book.drop_queue()
+            self._book.wake.notify_all()
         writer = self._writer
         if writer is not None:
             writer.stopping.set()  # a failure while draining ends it: nothing to restart
             writer.join(timeout)
         with self._lock:
-            self._drop_queue()
+            self._book.drop_queue()
             if writer is None or self._writer_done:
                 self._slot.release()
                 return True
             self._release_on_exit = True
         logger.warning("kvray disk tier: writer still busy after %.1f s; left to finish", timeout)
         return False
-
-    def _drop_queue(self) -> None:
-        for job in self._queue:
-            self._counters.skipped += job.blocks
-            self._pending -= job.nbytes
-        self._queue.clear()
 
     @property
     def thread_deaths(self) -> int:
@@ -294,4 +310,4 @@ class DiskTier(SpillWriter):
     def stats(self) -> dict[str, int]:
         """``disk_*`` figures, ``spilled`` and ``spilled_bytes`` (see :class:`Counters`)."""
         with self._lock:
-            return self._counters.figures(self._files, self._pending)
+            return self._book.counters.figures(self._book.files, self._book.pending)
