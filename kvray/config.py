@@ -176,7 +176,7 @@ def check_namespace(value: object, field_name: str = "namespace") -> str:
     return value
 
 
-_EVICTION_POLICIES = ("lru",)
+_EVICTION_POLICIES = ("lru", "probation")  # kvray.meta.eviction.POLICIES
 _LOAD_MODES = ("sync", "layerwise", "async")
 #: The size fields and the least each may be (``disk_capacity``: see ``_check_disk``).
 _SIZE_FIELDS = {
@@ -207,7 +207,8 @@ class KVRayConfig:
     #: KV bytes each node's block pool may hold (``"4GiB"`` or an int). Clamped to 80% of the
     #: node's object store when that is smaller.
     capacity: int = 1 << 30
-    #: Which blocks go first when a pool is full. Only ``lru`` for now.
+    #: Which segments go first when a pool is full: ``lru`` or ``probation`` (new puts wait in a
+    #: small FIFO until read; ghosts of what it evicts; :mod:`kvray.meta.eviction`).
     eviction_policy: str = "lru"
     #: Blocks are batched into objects of at most this many bytes (one Ray op costs ~1 ms).
     segment_bytes: int = 32 << 20

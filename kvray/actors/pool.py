@@ -5,11 +5,12 @@ Write path (measured in ``scripts/bench_store.py``; see the README): a client ``
 or a list of arrays) and hands the ref to its node's pool; the pool maps it zero-copy, keeps
 only blocks it does not hold yet and re-``put``s them as one object of its own. That second
 copy is the price of ownership: an object is owned by the process that ``put`` it, and a vLLM
-worker that exits would take its objects with it. Segments are the unit of eviction (LRU by
-last use), so ``used`` is exact: the bytes of the segments the pool holds in RAM, never above
-``capacity``. A segment stays counted until its last block is evicted or dropped; readers'
-zero-copy views of an evicted segment keep its memory pinned until they drop them
-(:meth:`kvray.Store.get` hands out copies; :meth:`kvray.Store.fetch` views are short-lived).
+worker that exits would take its objects with it. Segments are the unit of eviction (in the
+order of the ``eviction_policy``: LRU by last use by default), so ``used`` is exact: the bytes
+of the segments the pool holds in RAM, never above ``capacity``. A segment stays counted until
+its last block is evicted or dropped; readers' zero-copy views of an evicted segment keep its
+memory pinned until they drop them (:meth:`kvray.Store.get` hands out copies;
+:meth:`kvray.Store.fetch` views are short-lived).
 
 With ``disk_dir`` set, a second tier takes what RAM evicts and brings it back when it is read
 (:mod:`.tiering`, reads in :mod:`.promote`); blocks on disk stay visible to lookups and survive
@@ -54,7 +55,8 @@ GAUGE_INTERVAL_S = 5.0
 
 
 class BlockPool:
-    """Capacity-bounded, LRU-evicting block store of one node (a threaded Ray actor)."""
+    """Capacity-bounded block store of one node (a threaded Ray actor); RAM evicts in the order of
+    its ``eviction_policy`` (:mod:`kvray.meta.eviction`)."""
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class BlockPool:
         publish_interval_s: float = PUBLISH_INTERVAL_S,
         disk: DiskSettings | None = None,
         *,
+        eviction_policy: str = "lru",
         run: bool = False,
     ) -> None:
         """``run``: start the threads, metrics and the disk tier now (the actor); unit tests
@@ -82,7 +85,7 @@ class BlockPool:
         self._publish_interval_s = publish_interval_s
         self._incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._state = PoolState(self._capacity)
+        self._state = PoolState(self._capacity, eviction_policy)
         self._leases = Leases(lease_timeout_s)
         self._pub = IndexPublisher(namespace, self._slot, self._incarnation, self._num_shards)
         self._metrics = PoolMetrics.disabled()
@@ -254,6 +257,7 @@ class BlockPool:
                 failed = reads.promote(pins, deadline)
         direct: list[tuple[int, int, int]] = []
         whole: dict[int, int] = {}  # bytes of the segments leased, for a remote reader
+        read: dict[int, int] = {}  # bytes served per segment, in the order of the prefix
         held, refs = 0, []  # what reads served from files hold until the lease goes
         try:
             with self._lock:
@@ -266,12 +270,13 @@ class BlockPool:
                         continue
                     reply.point(i, seg_id, pos, seg.meta.sizes[pos], seg.meta.checksums[pos])
                     seg.hits[pos] += 1
+                    if seg.in_ram:
+                        read[seg_id] = read.get(seg_id, 0) + int(seg.meta.sizes[pos])
                     if seg_id not in reply.segments:
                         seg.leases += 1
-                        if seg.in_ram:
-                            st.ram.move_to_end(seg_id)
                         reply.segments[seg_id] = seg.ref
                         whole[seg_id] = seg.meta.nbytes
+                st.touch(list(read), list(read.values()))
                 if direct and reads is not None:
                     reads.pin_more(direct, pins)
             if direct and reads is not None:

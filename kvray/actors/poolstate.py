@@ -1,14 +1,16 @@
-"""The blocks of a pool: its segments, their RAM LRU and byte count, and the id table.
+"""The blocks of a pool: its segments, their RAM eviction order and byte count, the id table.
 
 Not thread-safe: the pool (:mod:`.pool`) and its disk side (:mod:`.tiering`) call it holding the
 pool's lock. Metadata is numpy throughout (about 110 bytes a block): a table from shard id
 (:func:`kvray.meta.ids.shard_ids`) to (segment, position), and per segment the full keys in one
-blob plus arrays of ids, shard numbers, sizes, checksums and read counts.
+blob plus arrays of ids, shard numbers, sizes, checksums and read counts. Which segment RAM
+evicts first is the ``eviction_policy``'s call (:mod:`kvray.meta.eviction`: ``lru``, or
+``probation``); its bookkeeping is per segment, counted in ``meta_bytes``.
 
 A segment is in one of four states, and its blocks are in the table (visible to lookups) in
 every one of them:
 
-- in RAM: ``in_ram``, its object ``ref`` counted in ``used`` and in the LRU ``ram``;
+- in RAM: ``in_ram``, its object ``ref`` counted in ``used`` and ranked by ``policy``;
 - on its way to disk: ``spill`` set, ``ref`` still served, counted by the disk side (at most
   its ``max_pending_bytes``), not in ``used``;
 - on disk only: ``ref`` None, ``disk`` set;
@@ -19,7 +21,6 @@ every one of them:
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ import numpy as np
 from ray import ObjectRef
 
 from kvray.disk import DiskSegment
+from kvray.meta.eviction import make_policy
 from kvray.meta.ids import shard_ids
 from kvray.meta.idtable import IdTable
 from kvray.meta.segment import SegmentMeta
@@ -111,13 +113,14 @@ EvictHook = Callable[[int, Segment, Removed], bool]
 
 
 class PoolState:
-    """Segments, RAM LRU and the id table of one pool (the caller holds the pool's lock)."""
+    """Segments, RAM eviction order and the id table of one pool (the caller holds the pool's
+    lock)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, eviction_policy: str = "lru") -> None:
         self.capacity = capacity
         self.table = IdTable({"seg": np.uint32, "pos": np.uint32})
         self.segments: dict[int, Segment] = {}
-        self.ram: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.policy = make_policy(eviction_policy, capacity)  # ranks the segments in RAM
         self.used = 0  # bytes of the segments in RAM
         self.reserved = 0  # bytes promised to copies in flight (puts, promotions)
         self.counters = Counters()
@@ -166,8 +169,13 @@ class PoolState:
 
     def enter_ram(self, seg_id: int, seg: Segment, ref: ObjectRef) -> None:
         seg.ref, seg.in_ram = ref, True
-        self.ram[seg_id] = None
+        key = int(seg.meta.ids[0]) if len(seg.meta) else 0
+        self.policy.insert(seg_id, seg.meta.nbytes, seg.live_count, key)
         self.used += seg.meta.nbytes
+
+    def touch(self, seg_ids: list[int], hit_bytes: list[int]) -> None:
+        """A read served ``hit_bytes`` from these segments, in the order of its prefix."""
+        self.policy.touch(seg_ids, hit_bytes)
 
     # ------------------------------------------------------------------ finding
     def locate(self, keys: list[bytes], pids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -210,9 +218,9 @@ class PoolState:
     def forget_all(self, seg_id: int, seg: Segment, removed: Removed) -> int:
         return self.forget(seg_id, seg, np.flatnonzero(seg.live), removed)
 
-    def leave_ram(self, seg_id: int, seg: Segment) -> None:
+    def leave_ram(self, seg_id: int, seg: Segment, evicted: bool = False) -> None:
         if seg.in_ram:
-            del self.ram[seg_id]
+            self.policy.remove(seg_id, evicted)
             self.used -= seg.meta.nbytes
             seg.in_ram = False
 
@@ -226,17 +234,16 @@ class PoolState:
         return True
 
     def make_room(self, need: int, removed: Removed) -> int:
-        """Evict unleased segments from RAM, least recently used first, until ``need`` bytes
-        fit; returns the blocks that left RAM. ``on_evict`` may keep a segment's blocks (on
-        their way to disk, or on disk); otherwise they are dropped."""
+        """Evict unleased segments from RAM in the policy's order (``lru``: least recently
+        used first) until ``need`` bytes fit; returns the blocks that left RAM. ``on_evict``
+        may keep a segment's blocks (on their way to disk, or on disk); otherwise they are
+        dropped."""
         if need <= self.free():
             return 0
         moved = 0
-        for seg_id in list(self.ram):
+        for seg_id in self.policy.victims(lambda s: not self.segments[s].leases):
             seg = self.segments[seg_id]
-            if seg.leases:
-                continue
-            self.leave_ram(seg_id, seg)
+            self.leave_ram(seg_id, seg, evicted=True)
             moved += seg.live_count
             if self.on_evict is None or not self.on_evict(seg_id, seg, removed):
                 self.forget_all(seg_id, seg, removed)
@@ -270,7 +277,7 @@ class PoolState:
         """Blocks by tier, bytes, metadata bytes and the counters (iterates the segments: for
         stats only)."""
         ram = spilling = disk_only = leased = 0
-        meta_bytes = self.table.nbytes
+        meta_bytes = self.table.nbytes + self.policy.meta_nbytes()
         for seg in self.segments.values():
             meta_bytes += seg.meta.meta_nbytes + seg.hits.nbytes + seg.live.nbytes
             if seg.in_ram:
@@ -291,6 +298,7 @@ class PoolState:
             "bytes": self.used,
             "segments": len(self.segments),
             **{name: getattr(self.counters, name) for name in STATS_COUNTERS},
+            **{f"policy_{name}": v for name, v in self.policy.stats().items()},
         }
 
 

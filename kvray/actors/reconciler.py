@@ -184,6 +184,7 @@ class Reconciler:
             self._cfg.get_timeout_s,
             publish_interval(len(self._pools) + 1),
             DiskSettings.from_config(self._cfg),
+            eviction_policy=self._cfg.eviction_policy,
         )
         info = NodeInfo(slot, node_id, pool_name(self._ns, node_id), self._cfg.capacity)
         self._pools[node_id] = _PoolRecord(slot, info, handle)
@@ -275,6 +276,7 @@ def spawn_pool(
     get_timeout_s: float,
     publish_interval_s: float,
     disk: DiskSettings | None = None,
+    eviction_policy: str = "lru",
 ) -> PoolHandle:
     """Get or create the pool of ``node_id``: detached, pinned to its node, named.
 
@@ -316,6 +318,7 @@ def spawn_pool(
         get_timeout_s,
         publish_interval_s,
         disk,
+        eviction_policy=eviction_policy,
         run=True,
     )
 

@@ -1,0 +1,352 @@
+"""Replay a Mooncake-format trace through kvray on simulated nodes; offline baselines beside it.
+
+The trace is JSONL, one request a line: ``timestamp`` (ms), ``input_length``,
+``output_length``, ``hash_ids`` (prefix block hashes, 512 tokens a block; equal ids are
+reusable blocks). Each request, on the engine of its node (an actor pinned to the node, one per
+node, routed round robin or to the node whose pool holds the longest prefix by kvray's view):
+looks up the longest cached prefix cluster-wide (``Store.lookup``), reads those blocks back
+(``Store.get``) and checks every byte, then puts the rest into its node's pool and waits for
+the put to be acknowledged. Every block's bytes are a function of its id, so a wrong byte
+anywhere is counted.
+
+On the same request sequence, offline (plain Python): one global LRU of the same total capacity
+(every block of a request accessed in order), Belady (evict the farthest next use, the offline
+optimum), unbounded (every reusable block); and the pools' policy as a simulator
+(:func:`kvray.meta.eviction.simulate`, one cache of the total capacity).
+
+Run: ``python scripts/bench_trace.py --trace /work/shared/data/mooncake_synthetic_trace.jsonl``.
+The last line is ``ratio kvray_over_lru_tight=... kvray_over_lru_roomy=...
+kvray_over_belady_tight=... replay_req_per_s=...`` (the first two capacities given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvray.meta.eviction import simulate
+
+
+def load_trace(path: str, limit: int = 0) -> list[list[int]]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                out.append([int(x) for x in json.loads(line)["hash_ids"]])
+                if limit and len(out) >= limit:
+                    break
+    return out
+
+
+# ---------------------------------------------------------------------- offline baselines
+def _prefix(req: list[int], held: Any) -> int:
+    n = 0
+    for x in req:
+        if x not in held:
+            break
+        n += 1
+    return n
+
+
+def global_lru(reqs: list[list[int]], cap: int) -> float:
+    """One LRU of ``cap`` blocks; every block of a request is accessed in order."""
+    c: OrderedDict[int, None] = OrderedDict()
+    hit = tot = 0
+    for req in reqs:
+        hit += _prefix(req, c)
+        tot += len(req)
+        for x in req:
+            if x in c:
+                c.move_to_end(x)
+            else:
+                c[x] = None
+                if len(c) > cap:
+                    c.popitem(last=False)
+    return hit / tot
+
+
+def belady(reqs: list[list[int]], cap: int) -> float:
+    """Evict the block whose next use is farthest (ties: the later position in its request)."""
+    inf = 1 << 60
+    nxt: dict[int, int] = {}
+    nextuse: list[list[int]] = [[] for _ in reqs]
+    for i in range(len(reqs) - 1, -1, -1):
+        nextuse[i] = [nxt.get(x, inf) for x in reqs[i]]
+        for x in reqs[i]:
+            nxt[x] = i
+    c: dict[int, tuple[int, int]] = {}
+    heap: list[tuple[int, int, int]] = []
+    hit = tot = 0
+    for i, req in enumerate(reqs):
+        hit += _prefix(req, c)
+        tot += len(req)
+        for pos, (x, nu) in enumerate(zip(req, nextuse[i], strict=True)):
+            c[x] = (nu, pos)
+            heapq.heappush(heap, (-nu, -pos, x))
+        while len(c) > cap:
+            nu, pos, x = heapq.heappop(heap)
+            if c.get(x) == (-nu, -pos):
+                del c[x]
+    return hit / tot
+
+
+def unbounded(reqs: list[list[int]]) -> float:
+    seen: set[int] = set()
+    hit = tot = 0
+    for req in reqs:
+        hit += _prefix(req, seen)
+        tot += len(req)
+        seen.update(req)
+    return hit / tot
+
+
+# ---------------------------------------------------------------------- the replay
+def block_bytes(ids: np.ndarray, nbytes: int) -> np.ndarray:
+    """Rows of ``nbytes`` bytes, a function of each id (its first 8 bytes are the id)."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    out = (np.arange(nbytes, dtype=np.uint64)[None, :] * 131 + ids[:, None] * 7919) % 251
+    out = out.astype(np.uint8)
+    out[:, :8] = ids.view(np.uint8).reshape(-1, 8)
+    return out
+
+
+def key_of(x: int) -> bytes:
+    return b"trace/%d" % x
+
+
+class Engine:
+    """One node's engine: lookup, get (every byte checked), put and wait for it."""
+
+    def __init__(self, namespace: str, nbytes: int) -> None:
+        import kvray
+
+        self.store = kvray.connect(namespace)
+        self.nbytes = nbytes
+
+    def ready(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, reqs: list[list[int]]) -> dict[str, Any]:
+        t = {"lookup": [], "get": [], "put": [], "put_submit": [], "total": []}
+        hits = blocks = wrong = lost = 0
+        hits_per_req: list[int] = []
+        t_start = time.perf_counter()
+        for req in reqs:
+            t0 = time.perf_counter()
+            keys = [key_of(x) for x in req]
+            n = self.store.lookup(keys)
+            t1 = time.perf_counter()
+            if n:
+                try:
+                    got = self.store.get(keys[:n])
+                    want = block_bytes(np.array(req[:n], dtype=np.uint64), self.nbytes)
+                    pairs = zip(got, want, strict=True)
+                    wrong += int(sum(int(np.count_nonzero(g != w)) for g, w in pairs))
+                except Exception:
+                    lost += n
+                    n = 0
+            t2 = time.perf_counter()
+            rest = np.array(req[n:], dtype=np.uint64)
+            if rest.size:
+                fut = self.store.put(keys[n:], block_bytes(rest, self.nbytes))
+                t3 = time.perf_counter()
+                fut.result(timeout=60)
+            else:
+                t3 = t2
+            t4 = time.perf_counter()
+            hits += n
+            blocks += len(req)
+            hits_per_req.append(n)
+            t["lookup"].append(t1 - t0)
+            t["get"].append(t2 - t1)
+            t["put_submit"].append(t3 - t2)
+            t["put"].append(t4 - t2)
+            t["total"].append(t4 - t0)
+        wall = time.perf_counter() - t_start
+        return {
+            "hits": hits,
+            "blocks": blocks,
+            "wrong": wrong,
+            "lost": lost,
+            "wall": wall,
+            "times": t,
+            "hits_per_req": hits_per_req,
+        }
+
+    def prefix(self, req: list[int]) -> int:
+        return self.store.lookup([key_of(x) for x in req])
+
+    def sync(self) -> None:
+        self.store.sync(10.0)
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+
+def replay(
+    reqs: list[list[int]], a: argparse.Namespace, policy: str, cap_blocks: int
+) -> dict[str, Any]:
+    """Start a fresh namespace on the cluster, replay, return the figures."""
+    import ray
+
+    import kvray
+
+    ns = f"trace-{uuid.uuid4().hex[:8]}"
+    per_node = cap_blocks // a.nodes
+    kvray.start(namespace=ns, capacity=per_node * a.block_bytes, eviction_policy=policy)
+    engine_cls = ray.remote(num_cpus=0)(Engine)
+    engines = [
+        engine_cls.options(resources={f"sim_node_{i}": 0.01}).remote(ns, a.block_bytes)
+        for i in range(a.nodes)
+    ]
+    node_ids = ray.get([e.ready.remote() for e in engines], timeout=120)
+    router = kvray.connect(ns) if a.routing == "view" else None
+    results: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    try:
+        if a.concurrent:
+            shares: list[list[list[int]]] = [[] for _ in engines]
+            for i, req in enumerate(reqs):
+                shares[i % a.nodes].append(req)
+            calls = [e.run.remote(s) for e, s in zip(engines, shares, strict=True)]
+            results = ray.get(calls, timeout=3600)
+        else:
+            for i, req in enumerate(reqs):
+                node = i % a.nodes
+                if router is not None:
+                    by_node = router.prefix_by_node([key_of(x) for x in req])
+                    best = max(by_node.values(), default=0)
+                    if best > 0:
+                        node = next(j for j, n in enumerate(node_ids) if by_node.get(n) == best)
+                results.append(ray.get(engines[node].run.remote([req]), timeout=120))
+        wall = time.perf_counter() - t0
+        stats = ray.get(engines[0].stats.remote(), timeout=60)
+    finally:
+        if router is not None:
+            router.close()
+        for e in engines:
+            ray.kill(e)
+        kvray.stop(ns)
+    times: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r["times"].items():
+            times.setdefault(k, []).extend(v)
+    hits = sum(r["hits"] for r in results)
+    blocks = sum(r["blocks"] for r in results)
+    return {
+        "hit_rate": hits / blocks,
+        "wrong": sum(r["wrong"] for r in results),
+        "lost": sum(r["lost"] for r in results),
+        "req_per_s": len(reqs) / wall,
+        "ms": {k: 1000 * statistics.mean(v) for k, v in times.items()},
+        "stats": stats,
+    }
+
+
+def start_cluster(a: argparse.Namespace) -> Any:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = max(80 << 20, int(2.5 * (a.max_cap_blocks // a.nodes) * a.block_bytes))
+    args = {"num_cpus": 1, "object_store_memory": store, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args={**args, "resources": {"sim_node_0": 1}})
+    for i in range(1, a.nodes):
+        cluster.add_node(**args, resources={f"sim_node_{i}": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="kvray-bench", log_to_driver=False)
+    return cluster
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--trace", default="/work/shared/data/mooncake_synthetic_trace.jsonl")
+    p.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
+    p.add_argument("--split", choices=("all", "first", "second"), default="all",
+                   help="the whole trace or one half of it")  # fmt: skip
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--block-bytes", type=int, default=4096)
+    p.add_argument("--capacities", default="5860,20000",
+                   help="total capacities in blocks (tight, roomy)")  # fmt: skip
+    p.add_argument("--policies", default="lru,probation")
+    p.add_argument("--routing", choices=("rr", "view"), default="rr")
+    p.add_argument("--concurrent", action="store_true",
+                   help="each engine runs its share at once, not one at a time")  # fmt: skip
+    p.add_argument("--offline-only", action="store_true")
+    a = p.parse_args()
+    reqs = load_trace(a.trace, a.requests)
+    half = len(reqs) // 2
+    reqs = {"all": reqs, "first": reqs[:half], "second": reqs[half:]}[a.split]
+    caps = [int(c) for c in a.capacities.split(",")]
+    policies = a.policies.split(",")
+    a.max_cap_blocks = max(caps)
+    nblocks = sum(len(r) for r in reqs)
+    print(f"trace {a.trace} ({a.split}): {len(reqs)} requests, {nblocks} block references, "
+          f"{len({x for r in reqs for x in r})} distinct; {a.nodes} nodes, "
+          f"{a.block_bytes} B blocks, routing {a.routing}", flush=True)  # fmt: skip
+    ub = unbounded(reqs)
+    off: dict[int, dict[str, float]] = {}
+    for cap in caps:
+        row = {"unbounded": ub, "belady": belady(reqs, cap), "global_lru": global_lru(reqs, cap)}
+        for pol in policies:
+            row[f"sim_{pol}"] = simulate(reqs, cap, pol).hit_rate
+        off[cap] = row
+        print(f"offline  {cap:>6} blocks: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()),
+              flush=True)  # fmt: skip
+    ratio_pol = policies[-1]
+    kv: dict[tuple[str, int], dict[str, Any]] = {}
+    if not a.offline_only:
+        cluster = start_cluster(a)
+        try:
+            for cap in caps:
+                for pol in policies:
+                    r = kv[pol, cap] = replay(reqs, a, pol, cap)
+                    ms = r["ms"]
+                    s = r["stats"]
+                    reasons = {k: v for k, v in s.items() if k.startswith("policy_")}
+                    print(
+                        f"kvray    {cap:>6} blocks {pol:>9}: hit rate {r['hit_rate']:.4f} "
+                        f"({r['hit_rate'] / off[cap]['global_lru']:.3f}x global LRU, "
+                        f"{r['hit_rate'] / off[cap]['belady']:.3f}x Belady), "
+                        f"{r['wrong']} wrong bytes, {r['lost']} lost, "
+                        f"{r['req_per_s']:.1f} req/s; per request ms: lookup {ms['lookup']:.2f} "
+                        f"get {ms['get']:.2f} put {ms['put']:.2f} (submit "
+                        f"{ms['put_submit']:.2f}) total {ms['total']:.2f}; evictions "
+                        f"{s.get('evictions')} {reasons}",
+                        flush=True,
+                    )
+        finally:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
+    tight, roomy = caps[0], caps[-1]
+
+    def rate(cap: int) -> float:
+        got = kv.get((ratio_pol, cap))
+        return got["hit_rate"] if got else off[cap][f"sim_{ratio_pol}"]
+
+    rps = kv[ratio_pol, tight]["req_per_s"] if (ratio_pol, tight) in kv else 0.0
+    print(
+        f"ratio kvray_over_lru_tight={rate(tight) / off[tight]['global_lru']:.3f} "
+        f"kvray_over_lru_roomy={rate(roomy) / off[roomy]['global_lru']:.3f} "
+        f"kvray_over_belady_tight={rate(tight) / off[tight]['belady']:.3f} "
+        f"replay_req_per_s={rps:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
