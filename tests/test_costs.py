@@ -244,3 +244,22 @@ def test_an_unchanged_report_compares_equal() -> None:
     c = Costs(prefill_s_per_token=1e-4, step_s=0.01)
     assert c.to_wire() == Costs(prefill_s_per_token=1e-4, step_s=0.01).to_wire()
     assert all(v == v for v in c.to_wire())
+
+
+def test_decode_steps_price_each_running_request() -> None:
+    """Decode-only steps of 1 to 4 requests: each request adds its slope to a step, and a
+    replica running more requests is predicted slower for the same prompt."""
+    ec = EngineCosts()
+    t = 0.0
+    for i in range(40):
+        d = 1 + i % 4
+        ec.observe_step(0, 0.005 + 0.002 * d, t, decode_reqs=d)
+        ec.observe_step(512, 0.01 + 512 * 1e-4, t + 0.01, decode_reqs=0)
+        t += 0.02
+    c = ec.costs(t)
+    assert c.decode_s_per_req == pytest.approx(0.002)
+    assert c.decode_step_s == pytest.approx(0.007)
+    busy = Costs(**{**c.__dict__, "queue_reqs": 4.0})
+    kw = dict(local_tokens=0, remote_tokens=0, computed_tokens=256)
+    p_idle, p_busy = predicted_ttft(c, **kw), predicted_ttft(busy, **kw)  # type: ignore[arg-type]
+    assert p_idle is not None and p_busy == pytest.approx(p_idle + 4 * 0.002)

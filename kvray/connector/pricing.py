@@ -66,7 +66,7 @@ class Pricing:
         self.costs = Costs()
         #: What the engine tier publishes (:meth:`Costs.to_wire`; empty until warm).
         self.published: tuple[float, ...] = ()
-        self._prev: tuple[float, int, frozenset[str]] | None = None
+        self._prev: tuple[float, int, int, frozenset[str]] | None = None
         self._load_s = 0.0
         self._jobs: dict[int, tuple[str, int]] = {}
         self._refreshed = -math.inf
@@ -84,19 +84,23 @@ class Pricing:
         now = self.clock()
         prev = self._prev
         if prev is not None:
-            t0, prefill, ids = prev
+            t0, prefill, decodes, ids = prev
             if ids - set(so.finished_req_ids or ()):  # the engine had work: it did not idle
-                self.engine.observe_step(prefill, now - t0 - self._load_s, now)
+                self.engine.observe_step(prefill, now - t0 - self._load_s, now, decodes)
                 self.steps += 1
         self._load_s = 0.0
-        prefill = 0
+        prefill = decodes = 0
         for req_id, n in so.num_scheduled_tokens.items():
             state = requests.get(req_id)
             req = getattr(state, "request", None)
-            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+            if req is None:
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
                 prefill += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            else:
+                decodes += 1
         sched = so.num_scheduled_tokens
-        self._prev = (now, prefill, frozenset(sched)) if sched else None
+        self._prev = (now, prefill, decodes, frozenset(sched)) if sched else None
         if now - self._refreshed >= REFRESH_S:
             self._refresh(now, sched, requests)
 

@@ -16,6 +16,8 @@ The model, per engine (every figure a decayed estimate; ``None``: not measured y
 - a load from a tier (``local``: the pool on the engine's node; ``remote``: pools elsewhere)
   takes ``fixed_s + tokens x s_per_token`` (a line per tier over recent loads; a load that
   timed out counts with the seconds it waited);
+- decode-only steps fitted as ``decode_step_s`` for one request plus ``decode_s_per_req``
+  for each more: what every request the engine runs adds to each step of a new prefill;
 - the queue: prompt tokens the engine knows and has not computed (``queue_s``, already priced
   at its prefill rate), the requests it holds (``queue_reqs``) and what a request's prefill
   costs on average (``req_s``), for requests a router sent after the engine's last report.
@@ -26,9 +28,9 @@ first ``k`` tokens costs the load line of each tier used, recomputing the rest c
 the least total. Without a prefill estimate, or for a tier without a load estimate, it loads
 (kvray's behaviour before any measurement).
 
-**Time to first token** (:func:`predicted_ttft`): ``queue wait + load of what kvray holds for
-the prompt (as the connector would choose) + step_s + prefill of the rest``; the engine's own
-prefix cache costs nothing.
+**Time to first token** (:func:`predicted_ttft`): ``queue wait + the requests it runs x
+decode_s_per_req + load of what kvray holds for the prompt (as the connector would choose) +
+step_s + prefill of the rest``; the engine's own prefix cache costs nothing.
 
 Decay: each sample's weight halves every ``half_life_s``; an estimate whose total weight fell
 below ``min_weight`` is unknown again. So a path that was slow once is tried again after a
@@ -189,6 +191,9 @@ class Costs:
     queue_reqs: float = 0.0
     #: A request's prefill on average (seconds, at the engine's prefill rate).
     req_s: float | None = None
+    #: What each request decoding in the batch adds to a step (seconds; the slope of
+    #: decode-only steps' time over their requests).
+    decode_s_per_req: float | None = None
 
     def load(self, tier: str) -> LoadLine | None:
         fixed = getattr(self, f"{tier}_fixed_s", None)
@@ -299,9 +304,11 @@ def predicted_ttft(
     step = costs.step_s or 0.0
     mean_req = costs.req_s if costs.req_s is not None else step + computed_tokens * per
     wait = costs.queue_s + max(0.0, unreported_reqs) * mean_req
+    # the requests it runs share every step with this prompt's prefill
+    batch = (costs.decode_s_per_req or 0.0) * (costs.queue_reqs + max(0.0, unreported_reqs))
     runs = [("local", local_tokens), ("remote", remote_tokens)]
     hit = load_or_recompute_s(runs, costs)
-    return wait + hit + step + max(0, computed_tokens) * per
+    return wait + batch + hit + step + max(0, computed_tokens) * per
 
 
 class EngineCosts:
@@ -310,18 +317,20 @@ class EngineCosts:
 
     def __init__(self, half_life_s: float = HALF_LIFE_S, min_weight: float = MIN_WEIGHT) -> None:
         self.step = DecayedLine(half_life_s, min_weight)
-        self.decode = Decayed(half_life_s, min_weight)
+        self.decode = DecayedLine(half_life_s, min_weight)
         self.req_tokens = Decayed(half_life_s, min_weight)
         self.loads = {t: DecayedLine(half_life_s, min_weight) for t in TIERS}
         self.queue_tokens = 0.0
         self.queue_reqs = 0.0
 
-    def observe_step(self, prefill_tokens: int, seconds: float, now: float) -> None:
-        """A step that computed ``prefill_tokens`` prompt tokens (and its decodes) in
-        ``seconds`` of wall time (its loads taken out)."""
+    def observe_step(
+        self, prefill_tokens: int, seconds: float, now: float, decode_reqs: int = 0
+    ) -> None:
+        """A step that computed ``prefill_tokens`` prompt tokens and ``decode_reqs`` requests'
+        next tokens in ``seconds`` of wall time (its loads taken out)."""
         self.step.observe(prefill_tokens, seconds, now)
-        if prefill_tokens == 0:
-            self.decode.observe(seconds, now)
+        if prefill_tokens == 0 and decode_reqs > 0:
+            self.decode.observe(decode_reqs, seconds, now)
 
     def observe_load(self, tier: str, tokens: int, seconds: float, now: float, n: int = 1) -> None:
         """``n`` loads from ``tier`` of ``tokens`` tokens each (on average) that took
@@ -346,10 +355,12 @@ class EngineCosts:
             kw[f"{tier}_fixed_s"] = lf[0] if lf is not None else None
             kw[f"{tier}_s_per_token"] = lf[1] if lf is not None else None
         req = self.req_tokens.value(now)
+        dec = self.decode.fit(now)
         return Costs(
             prefill_s_per_token=per,
             step_s=step_s,
-            decode_step_s=self.decode.value(now),
+            decode_step_s=(dec[0] + dec[1]) if dec is not None else None,
+            decode_s_per_req=dec[1] if dec is not None else None,
             queue_s=self.queue_tokens * per if per is not None else 0.0,
             queue_reqs=self.queue_reqs,
             req_s=(step_s or 0.0) + req * per if (req is not None and per is not None) else None,
