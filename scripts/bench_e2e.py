@@ -51,8 +51,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
 
 MODEL_SHAPE = dict(
     hidden=1024,
@@ -112,7 +110,8 @@ def _engine_run(args: argparse.Namespace) -> dict[str, Any]:
     """One in-process engine: the phase's measurements (also run inside a Ray actor)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams, TokensPrompt
-    from vllm_helpers import kvray_transfer_config
+
+    from kvray.testing.engines import kvray_transfer_config
 
     prompts: dict[str, list[int]] = json.loads(Path(args.prompts).read_text())
     ktc: dict[str, Any] | None = None
@@ -245,7 +244,7 @@ def _block_hashes(tokens: list[int], salt: str | None) -> list[bytes]:
 
 def _cross_phase(llm: Any, prompts: dict[str, list[int]], repeats: int, ttft: Any) -> dict:
     """TP=2: per repeat, recompute (a fresh salt), cross-TP hit, same-TP hit; then lookups."""
-    from vllm_helpers import connector_of
+    from kvray.testing.engines import connector_of
 
     conn = connector_of(llm)
     times: dict[str, dict[str, list[float]]] = {}
@@ -429,31 +428,18 @@ def main() -> None:
     t_start = time.perf_counter()
     lengths = [512, 2048] if args.quick else [512, 2048, 4096]
     repeats = 3 if args.quick else args.repeats
-    from vllm_helpers import build_tiny_llama
+    from kvray.testing.engines import build_tiny_llama
 
     model = build_tiny_llama(os.path.join(args.model_dir, "model"), **MODEL_SHAPE)
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-"))
     pfile = work / "prompts.json"
     pfile.write_text(json.dumps(_prompts(lengths, repeats)))
 
-    import ray
-
     import kvray
+    from kvray.testing.cluster import join_or_start
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-        address = os.environ["RAY_ADDRESS"]
-    else:
-        ctx = ray.init(
-            address="local",
-            num_cpus=2,
-            object_store_memory=3 << 30,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-        address = ctx.address_info["gcs_address"]
-    env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    address = join_or_start(3 << 30)
+    env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": str(ROOT)}
     if args.cross_tp:
         _cross_tp(args, model, work, env)
         return

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import threading
 import time
 import tracemalloc
@@ -36,15 +35,13 @@ import numpy as np
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import ray  # noqa: E402
+import ray
 
-from kvray.actors.publisher import publish_interval  # noqa: E402
-from kvray.meta.holders import HolderTable  # noqa: E402
-from kvray.meta.ids import index_shard_of, key_ids  # noqa: E402
-from kvray.meta.messages import (  # noqa: E402
+from kvray.actors.publisher import publish_interval
+from kvray.meta.holders import HolderTable
+from kvray.meta.ids import index_shard_of, key_ids
+from kvray.meta.messages import (
     RAY_NAMESPACE,
     Inventory,
     NodeInfo,

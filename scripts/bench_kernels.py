@@ -31,15 +31,11 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
 

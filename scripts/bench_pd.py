@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import (
     BLOCK_SIZE,
     KV_TOKENS,
@@ -51,7 +50,8 @@ from bench_serve import (
     kv_bytes_per_token,
     start_cluster,
 )
-from ray_probe import metrics_lines
+
+from kvray.testing.probe import metrics_lines
 
 MODEL = "bench"
 APP = "benchpd"
@@ -154,10 +154,10 @@ def main() -> None:
 
     import ray
     from ray import serve
-    from vllm_helpers import build_text_model
 
     import kvray
     from kvray.serve import build_app
+    from kvray.testing.engines import build_text_model
 
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-pd-"))
     model = build_text_model(work / "model", **shape)

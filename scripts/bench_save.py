@@ -33,10 +33,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np
 import psutil
 import ray
-from ray.cluster_utils import Cluster
 
 import kvray
 from kvray.meta.ids import key_ids
+from kvray.testing.cluster import simulated_cluster
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -68,15 +68,9 @@ def main() -> None:
     args = ap.parse_args()
     per_repeat = args.mib * MiB
     store_mem = len(SHAPES) * args.repeats * per_repeat + 1024 * MiB
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "object_store_memory": store_mem,
-            "include_dashboard": False,
-        },
+    cluster = simulated_cluster(
+        {"num_cpus": 2, "object_store_memory": store_mem, "include_dashboard": False}
     )
-    ray.init(address=cluster.address, log_to_driver=False)
     ns = f"save{uuid.uuid4().hex[:6]}"
     kvray.start(namespace=ns, capacity=store_mem - 512 * MiB)
     store = kvray.connect(ns, subscribe=False)

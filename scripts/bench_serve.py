@@ -14,7 +14,7 @@ growing inputs, shared system prompt); ``no-reuse``, as many single-turn prompts
 ``prefix-rep``, vLLM's ``bench serve --dataset-name prefix_repetition``.
 Measured per run: TTFT p50/p99, ITL mean/p99, output tok/s (from the load generator's own
 results), per-turn TTFT and ITL, CPU seconds per request by process role (GCS, raylet, agents,
-Serve proxy, kvray's actors, EngineCore, replicas; see ``tests/ray_probe.py``) and the GCS's
+Serve proxy, kvray's actors, EngineCore, replicas; see ``kvray/testing/probe.py``) and the GCS's
 RPCs per request by method (Ray's Prometheus counters). Latencies and rates are over the
 requests the load generator measured (Ray's leaves out those it sends while warming up);
 counters per request are over every request sent.
@@ -64,16 +64,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The cluster's processes import this folder's modules by name (functions they are handed).
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p
+    p for p in (str(ROOT / "scripts"), os.environ.get("PYTHONPATH")) if p
 )
 
 import peers  # noqa: E402
-from ray_probe import (  # noqa: E402
+
+from kvray.testing.probe import (  # noqa: E402
     cpu_by_process,
     cpu_delta,
     gcs_rpc_snapshot,
@@ -317,25 +317,22 @@ def start_cluster(
     """A simulated 2-node cluster (each node's vLLM on its own core with ``a.bind``), this
     driver connected, Serve's HTTP proxy up (``proxy_location``: Serve's; None, its default):
     (cluster, metrics endpoints, HTTP port)."""
-    import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
+
+    from kvray.testing.cluster import simulated_cluster
 
     per_node = -(-getattr(a, "replicas", 2) // 2)  # replicas take 2 logical CPUs each
     node_args: dict[str, Any] = {
         "num_cpus": 2 * max(1, per_node), "object_store_memory": 512 << 20,
         "include_dashboard": False,
     }  # fmt: skip
-    system = {"metrics_report_interval_ms": 1000}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**node_args, **_bind(0, a), "_system_config": system},
+    cluster = simulated_cluster(
+        {**node_args, **_bind(0, a)},
+        [{**node_args, **_bind(1, a)}],
+        system_config={"metrics_report_interval_ms": 1000},
+        export_address=True,
     )
-    cluster.add_node(**node_args, **_bind(1, a))
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     urls = metrics_urls()
-    os.environ["RAY_ADDRESS"] = cluster.address
     port = 18000 + random.randrange(1000)
     serve.start(proxy_location=proxy_location, http_options={"host": "127.0.0.1", "port": port})
     return cluster, urls, port
@@ -498,10 +495,10 @@ def main() -> None:
 
     import ray
     from ray import serve
-    from vllm_helpers import build_text_model
 
     import kvray
     from kvray.serve import build_app
+    from kvray.testing.engines import build_text_model
 
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
     model = build_text_model(work / "model", **shape)

@@ -34,15 +34,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np
 import ray
-from ray.cluster_utils import Cluster
-
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-)
-
-from ray_probe import object_bytes_received, object_store_used
 
 import kvray
+from kvray.testing.cluster import simulated_cluster
+from kvray.testing.probe import object_bytes_received, object_store_used
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
@@ -132,19 +127,12 @@ def main() -> None:
     nbytes = total_blocks * BLOCK
 
     store_mem = 3 * nbytes + 512 * MiB
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "object_store_memory": store_mem,
-            "include_dashboard": False,
-            # Ray's metrics (bytes received) are exported every second (default 10 s).
-            "_system_config": {"metrics_report_interval_ms": 1000},
-        },
+    cluster = simulated_cluster(
+        {"num_cpus": 2, "object_store_memory": store_mem, "include_dashboard": False},
+        [{"num_cpus": 1, "object_store_memory": store_mem, "resources": {"node_a": 1}}],
+        # Ray's metrics (bytes received) are exported every second (default 10 s).
+        system_config={"metrics_report_interval_ms": 1000},
     )
-    cluster.add_node(num_cpus=1, object_store_memory=store_mem, resources={"node_a": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     ns = f"bench{uuid.uuid4().hex[:6]}"
     kvray.start(namespace=ns, capacity=2 * nbytes + 64 * MiB)
     store = kvray.connect(ns)

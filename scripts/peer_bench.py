@@ -87,10 +87,10 @@ def _run_node_b(argv: list[str], pythonpath: str) -> dict[str, Any]:
 def run_peers(args: argparse.Namespace) -> None:
     import bench_e2e as b
     import ray
-    from ray.cluster_utils import Cluster
-    from vllm_helpers import build_tiny_llama
 
     import kvray
+    from kvray.testing.cluster import simulated_cluster
+    from kvray.testing.engines import build_tiny_llama
 
     t_start = time.perf_counter()
     lengths = [512, 2048] if args.quick else [512, 2048, 8192]
@@ -103,10 +103,7 @@ def run_peers(args: argparse.Namespace) -> None:
     pfile.write_text(json.dumps(b._prompts(lengths, repeats)))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     node = {"num_cpus": 2, "object_store_memory": 3 << 29, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args=node)
-    cluster.add_node(**node, resources={NODE_B: 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = simulated_cluster(node, [{**node, "resources": {NODE_B: 1}}])
     paths = [str(ROOT), str(ROOT / "tests"), str(SCRIPTS)]
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONPATH": os.pathsep.join(paths)}
     lm_path = os.pathsep.join([*paths, str(peers.engine_path())])

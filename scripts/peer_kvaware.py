@@ -110,8 +110,8 @@ def main() -> None:
     # Read at import by Ray Serve LLM's builder and by every node's Serve processes.
     os.environ["RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"] = "1"
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-    sys.path[:0] = [str(target), str(ROOT / "scripts")]
-    import bench_serve as bs  # sets PYTHONPATH for the cluster's processes
+    sys.path.insert(0, str(target))  # the peer's own packages (not the shared venv's)
+    import bench_serve as bs  # a sibling; sets PYTHONPATH for the cluster's processes
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(target), os.environ["PYTHONPATH"]])
     import ray
@@ -119,9 +119,9 @@ def main() -> None:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.llm import build_openai_app
     from ray.serve.llm.request_router import KVAwareRouter
-    from vllm_helpers import build_text_model
 
     from kvray.serving.app import build_llm_config
+    from kvray.testing.engines import build_text_model
 
     work = Path(tempfile.mkdtemp(prefix="kvray-kvaware-"))
     shape = bs.MODELS["gqa"]

@@ -293,8 +293,7 @@ def serve_check() -> None:
     import ray
     from ray import serve
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from vllm_helpers import build_text_model
+    from kvray.testing.engines import build_text_model
 
     work = Path(tempfile.mkdtemp(prefix="lmcache-serve-"))
     model = build_text_model(work / "model", hidden=256, layers=2, heads=4, kv_heads=2)

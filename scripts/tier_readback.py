@@ -18,7 +18,6 @@ wall time), and what the pool did (promoted, read from files, failed by cause).
 
 from __future__ import annotations
 
-import glob
 import os
 import random
 import threading
@@ -29,6 +28,8 @@ from typing import Any
 import numpy as np
 import ray
 
+from kvray.testing.pools import arrow_files, drop_pages, settle
+
 MiB = 1 << 20
 BLOCK = MiB
 PER_PUT = 8
@@ -36,27 +37,6 @@ PER_PUT = 8
 
 def _pool_stats(pool: Any) -> dict[str, Any]:
     return ray.get(pool.stats.remote(), timeout=60)
-
-
-def _settle(pool: Any, timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _pool_stats(pool)
-        quiet = s["spilling_bytes"] == s["disk_pending_bytes"] == s["active_leases"] == 0
-        if quiet and s["read_from_disk_outstanding_bytes"] == 0:
-            return s
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"bench_tier read-back: the pool did not settle: {s}")
-        time.sleep(0.05)
-
-
-def _drop_pages(disk_dir: Path) -> None:
-    for path in glob.glob(str(disk_dir / "**" / "*.arrow"), recursive=True):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _orders(n: int) -> list[list[int]]:
@@ -96,16 +76,16 @@ def readback_figures(work: Path, ram: int) -> dict[str, Any]:
             blocks = rng.integers(0, 256, (min(PER_PUT, n - a), BLOCK), dtype=np.uint8)
             sums += [checksum(b) for b in blocks]
             store.put(keys[a : a + len(blocks)], blocks).result(120)
-            _settle(pool)
+            settle(pool, reads=True)
         store.sync()
-        s = _settle(pool)
+        s = settle(pool, reads=True)
         if s["disk_skipped"] or s["present_blocks"] != n:
             raise RuntimeError(f"bench_tier read-back: not every block was kept: {s}")
         facts = {"blocks": n, "disk_only_at_start": s["disk_only_blocks"]}
 
         def phase(name: str, orders: list[list[int]]) -> None:
-            _settle(pool)
-            _drop_pages(disk_dir)
+            settle(pool, reads=True)
+            drop_pages(arrow_files(disk_dir))
             before = _pool_stats(pool)
             tally = {"asked": 0, "read": 0, "bytes": 0, "wrong": 0}
             reasons: set[str] = set()

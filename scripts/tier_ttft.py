@@ -24,33 +24,21 @@ import glob
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_e2e  # the engine processes and the model (a sibling: this script's folder)
 import ray
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
+from kvray.testing.cluster import join_or_start
+from kvray.testing.pools import drop_pages, settle
 
-import bench_e2e  # noqa: E402  (the engine processes and the model)
+ROOT = Path(__file__).resolve().parents[1]
 
 TOKENS = 2048
 WARM_TOKENS = 512
-
-
-def _settle(pool: Any, timeout: float = 120.0) -> dict[str, Any]:
-    """Wait until the pool has nothing in flight towards the disk."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = ray.get(pool.stats.remote(), timeout=30)
-        if s["spilling_bytes"] == s["disk_pending_bytes"] == s["active_leases"] == 0:
-            return s
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"bench_tier: the pool did not settle: {s}")
-        time.sleep(0.2)
 
 
 def _push_to_disk(ns: str, pool: Any, ram: int) -> None:
@@ -59,20 +47,20 @@ def _push_to_disk(ns: str, pool: Any, ram: int) -> None:
 
     import kvray
 
-    engine_blocks = _settle(pool)["stored"]
+    engine_blocks = settle(pool)["stored"]
     store = kvray.connect(ns, subscribe=False)
     rng = np.random.default_rng(0)
     step = 8 << 20
     try:
         for i in range(4 * ram // step):
-            s = _settle(pool)
+            s = settle(pool)
             if s["disk_only_blocks"] >= engine_blocks:
                 break
             keys = [f"{ns}-filler-{i}-{j}".encode() for j in range(8)]
             store.put(keys, rng.integers(0, 256, (8, step // 8), dtype=np.uint8)).result(60)
     finally:
         store.close()
-    s = _settle(pool)
+    s = settle(pool)
     if s["disk_skipped"] or s["disk_only_blocks"] < engine_blocks:
         raise RuntimeError(f"bench_tier: the engine's blocks did not all reach the disk: {s}")
 
@@ -103,11 +91,10 @@ def ttft_figures(work: Path, rounds: int, repeats: int) -> dict[str, Any]:
     """TTFT medians (seconds) of recompute, disk hit and RAM hit at 2048 tokens, and facts."""
     import random
 
-    from vllm_helpers import build_tiny_llama
-
     import kvray
     from kvray.cluster import local_node_id
     from kvray.meta.messages import RAY_NAMESPACE, pool_name
+    from kvray.testing.engines import build_tiny_llama
 
     shape = bench_e2e.MODEL_SHAPE
     model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvray-bench", "model"), **shape)
@@ -132,7 +119,7 @@ def ttft_figures(work: Path, rounds: int, repeats: int) -> dict[str, Any]:
     env = {
         **os.environ,
         "RAY_ADDRESS": address,
-        "PYTHONPATH": f"{SCRIPTS.parent}:{SCRIPTS.parent / 'tests'}",
+        "PYTHONPATH": str(ROOT),
     }
 
     def engine(name: str, phase: str, out: str, *more: str, n: int = repeats) -> dict[str, Any]:
@@ -163,7 +150,7 @@ def ttft_figures(work: Path, rounds: int, repeats: int) -> dict[str, Any]:
         for r in range(rounds):
             s = _restart_warm(ns, pool)
             paths = glob.glob(str(disk_dir / ns / "**" / "*.arrow"), recursive=True)
-            _drop_pages(paths)
+            drop_pages(paths)
             out = engine("read", "read", f"read{r}.json", *kv, n=repeats)
             times = out["times"][str(TOKENS)]
             disk_hits.append(times[0])
@@ -188,27 +175,6 @@ def ttft_figures(work: Path, rounds: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def _drop_pages(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def ensure_ray() -> None:
     """Join RAY_ADDRESS, or start a local Ray sized like ``bench_e2e.py``'s."""
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    else:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            object_store_memory=2 << 30,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+    join_or_start(2 << 30)

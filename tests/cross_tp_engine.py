@@ -108,10 +108,9 @@ def engine_tier_of(
     scheduler's own view (none: the connector's store leaves it out)."""
     import time
 
-    from vllm_helpers import block_hashes
-
     import kvray
     from kvray.meta.ids import engine_ids
+    from kvray.testing.engines import block_hashes
 
     reporter = connector.engine_reporter
     own = connector.store.local_view()
@@ -150,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector is here
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm_helpers import (
+
+    from kvray.testing.engines import (
         connector_of,
         engine_kwargs,
         finish_delayed_frees,

@@ -19,6 +19,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import kvray
+from kvray.testing.cluster import simulated_cluster
 
 __all__ = ["kvray_ns", "ray_cluster"]
 
@@ -57,26 +58,24 @@ def ray_cluster() -> Iterator[Cluster]:
     """
     old_prom = os.environ.get("RAY_PROMETHEUS_HOST")
     os.environ["RAY_PROMETHEUS_HOST"] = f"http://127.0.0.1:{free_port()}"
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
+    cluster = simulated_cluster(
+        {
             **_node_args({"head": 1}, 2),
             "include_dashboard": True,
             "dashboard_host": "127.0.0.1",
             "dashboard_port": free_port(),
-            "_system_config": {
-                # Detect removed nodes within seconds (defaults take ~30 s).
-                "health_check_initial_delay_ms": 0,
-                "health_check_period_ms": 500,
-                "health_check_failure_threshold": 4,
-                # Push metrics to each node's Prometheus endpoint every second (default 10 s).
-                "metrics_report_interval_ms": 1000,
-            },
         },
+        [_node_args({"node_a": 1}, 2), _node_args({"node_b": 1}, 2)],
+        system_config={
+            # Detect removed nodes within seconds (defaults take ~30 s).
+            "health_check_initial_delay_ms": 0,
+            "health_check_period_ms": 500,
+            "health_check_failure_threshold": 4,
+            # Push metrics to each node's Prometheus endpoint every second (default 10 s).
+            "metrics_report_interval_ms": 1000,
+        },
+        connect=False,
     )
-    cluster.add_node(**_node_args({"node_a": 1}, 2))
-    cluster.add_node(**_node_args({"node_b": 1}, 2))
-    cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="kvray-tests", log_to_driver=False)
     old_addr = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = cluster.address

@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import test_connector_scheduler as tcs
-from vllm_helpers import BLOCK_SIZE
+
+from kvray.testing.engines import BLOCK_SIZE
 
 pytestmark = [pytest.mark.vllm]
 
@@ -119,7 +120,8 @@ def test_engine_tokens_identical_when_a_slow_pool_is_recomputed(
     load measures it, and the next run computes the prompts instead (nothing from kvray,
     counted); the token ids are the same as without kvray every time."""
     from vllm import LLM
-    from vllm_helpers import (
+
+    from kvray.testing.engines import (
         build_tiny_llama,
         cached_tokens,
         close_llm,

@@ -16,7 +16,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import (
+import kvray
+from kvray.client import Fetched, checksum
+from kvray.testing.engines import (
     BLOCK_SIZE,
     build_tiny_llama,
     cached_tokens,
@@ -34,9 +36,6 @@ from vllm_helpers import (
     token_ids,
     worker_connector_of,
 )
-
-import kvray
-from kvray.client import Fetched, checksum
 
 pytestmark = [pytest.mark.vllm]
 

@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm_helpers import BLOCK_SIZE, build_tiny_llama
 
 from kvray.connector.metadata import KVRayConnectorMetadata, LoadSpec, StoreSpec
+from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama
 
 pytestmark = [pytest.mark.vllm]
 

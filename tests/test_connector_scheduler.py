@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm_helpers import BLOCK_SIZE, build_tiny_llama
 
 from kvray.client import Fetched
+from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama
 
 pytestmark = [pytest.mark.vllm]
 

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from ray_probe import gcs_rpc_counts, metrics_urls
+
+from kvray.testing.probe import gcs_rpc_counts, metrics_urls
 
 POLLS = (
     "ObservabilityPubSubService.GcsSubscriberPoll",

@@ -19,17 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from vllm_helpers import (
-    finish_delayed_frees,
-    full_hit_blocks,
-    full_hit_tokens,
-    in_process_engines,
-)
 
 from kvray.connector.paged import PagedCopier
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
 from kvray.kernels.heads import HeadPart, head_parts, is_head_major, window
 from kvray.keys import grouped_prefix
+from kvray.testing.engines import (
+    finish_delayed_frees,
+    full_hit_blocks,
+    full_hit_tokens,
+    in_process_engines,
+)
 
 LAYERS, TOKENS, DIM = 3, 32, 4  # a head's page: 32 tokens x (K|V of 4 floats) = 1 KiB
 HEAD_BYTES = TOKENS * 2 * DIM * 4
@@ -242,10 +242,10 @@ def test_real_vllm_configs_key_tp_sizes_alike_and_models_apart(tmp_path: Any) ->
     pytest.importorskip("vllm")
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm_helpers import BLOCK_SIZE, build_tiny_llama
 
     from kvray.config import KVRayConfig
     from kvray.connector.keys import build_key_space
+    from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama
 
     one = build_tiny_llama(tmp_path / "kv2", kv_heads=2)
     other = build_tiny_llama(tmp_path / "kv1", kv_heads=1)
@@ -286,7 +286,7 @@ PREFIX_TOKENS, SUFFIX_TOKENS = 200, 30
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    from vllm_helpers import make_prompts
+    from kvray.testing.engines import make_prompts
 
     return make_prompts(2, PREFIX_TOKENS, SUFFIX_TOKENS, seed=seed)
 
@@ -297,7 +297,8 @@ def _hashes(prompt: list[int], salt: str | None = None) -> list[str]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
-    from vllm_helpers import BLOCK_SIZE
+
+    from kvray.testing.engines import BLOCK_SIZE
 
     init_none_hash(sha256)
     req = Request(
@@ -334,7 +335,7 @@ def assert_kv_close(
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     pytest.importorskip("vllm")
-    from vllm_helpers import build_tiny_llama
+    from kvray.testing.engines import build_tiny_llama
 
     root = tmp_path_factory.mktemp("cross-tp-models")
     return {
@@ -348,7 +349,8 @@ class InProcessEngine:
 
     def __init__(self, model: str, namespace: str) -> None:
         from vllm import LLM
-        from vllm_helpers import engine_kwargs, kvray_transfer_config, worker_connector_of
+
+        from kvray.testing.engines import engine_kwargs, kvray_transfer_config, worker_connector_of
 
         self.llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(namespace)))
         from cross_tp_engine import install_recorder
@@ -358,7 +360,7 @@ class InProcessEngine:
 
     @property
     def scheduler(self) -> Any:
-        from vllm_helpers import connector_of
+        from kvray.testing.engines import connector_of
 
         return connector_of(self.llm).scheduler
 
@@ -380,7 +382,7 @@ class InProcessEngine:
         }
 
     def close(self) -> None:
-        from vllm_helpers import close_llm
+        from kvray.testing.engines import close_llm
 
         close_llm(self.llm)
 

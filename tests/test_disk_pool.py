@@ -25,7 +25,6 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 from typer.testing import CliRunner
-from vllm_helpers import in_process_engines
 
 import kvray
 from kvray.blocks import checksum
@@ -35,6 +34,7 @@ from kvray.disk import DiskTier, fingerprint, segfile
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
 from kvray.meta.segment import SegmentMeta
+from kvray.testing.engines import in_process_engines
 
 MiB = 1 << 20
 BLOCK = 256 << 10
@@ -399,7 +399,8 @@ def test_vllm_loads_a_prefix_from_disk_after_a_warm_restart(
     loads the prefix from the files: tokens identical to the recompute."""
     pytest.importorskip("vllm")
     from vllm import LLM
-    from vllm_helpers import (
+
+    from kvray.testing.engines import (
         BLOCK_SIZE,
         build_tiny_llama,
         cached_tokens,

@@ -305,7 +305,8 @@ def _scrape(ns: str) -> dict[str, float]:
     """``ray_kvray_pool_*`` samples of namespace ``ns`` over every node's endpoint, keyed
     ``<name without ray_kvray_pool_>/<cause label>``."""
     from prometheus_client.parser import text_string_to_metric_families
-    from ray_probe import metrics_urls
+
+    from kvray.testing.probe import metrics_urls
 
     out: dict[str, float] = {}
     for url in metrics_urls():
@@ -444,13 +445,14 @@ class _LeasingEngine:
     def __init__(self, model: str, namespace: str, extra: dict[str, Any]) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
-        from vllm_helpers import engine_kwargs, kvray_transfer_config
+
+        from kvray.testing.engines import engine_kwargs, kvray_transfer_config
 
         ktc = kvray_transfer_config(namespace, **extra)
         self.llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
 
     def generate(self, prompts: list[list[int]], reset: bool = False) -> dict[str, Any]:
-        from vllm_helpers import (
+        from kvray.testing.engines import (
             cached_tokens,
             connector_of,
             finish_delayed_frees,
@@ -466,13 +468,13 @@ class _LeasingEngine:
         return {"tokens": token_ids(outs), "cached": cached_tokens(outs)}
 
     def flush(self) -> None:
-        from vllm_helpers import finish_delayed_frees, worker_connector_of
+        from kvray.testing.engines import finish_delayed_frees, worker_connector_of
 
         finish_delayed_frees(self.llm)
         worker_connector_of(self.llm).worker.flush()
 
     def hold(self, on: bool) -> None:
-        from vllm_helpers import worker_connector_of
+        from kvray.testing.engines import worker_connector_of
 
         io = worker_connector_of(self.llm).worker.store.io
         if on:
@@ -482,7 +484,7 @@ class _LeasingEngine:
             io.flush_releases()
 
     def close(self) -> None:
-        from vllm_helpers import close_llm
+        from kvray.testing.engines import close_llm
 
         close_llm(self.llm)
 
@@ -497,7 +499,8 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     recompute, nothing failed."""
     pytest.importorskip("vllm")
     from vllm import LLM
-    from vllm_helpers import (
+
+    from kvray.testing.engines import (
         build_tiny_llama,
         cached_tokens,
         close_llm,

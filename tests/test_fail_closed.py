@@ -18,7 +18,10 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm_helpers import (
+
+from kvray.config import ConfigError
+from kvray.errors import KVRayError
+from kvray.testing.engines import (
     BLOCK_SIZE,
     build_tiny_llama,
     engine_kwargs,
@@ -26,9 +29,6 @@ from vllm_helpers import (
     in_process_engines,
     kvray_transfer_config,
 )
-
-from kvray.config import ConfigError
-from kvray.errors import KVRayError
 
 pytestmark = [pytest.mark.vllm]
 

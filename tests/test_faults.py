@@ -23,12 +23,17 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from vllm_helpers import block_hashes, finish_delayed_frees, full_hit_blocks, full_hit_tokens
 
 import kvray
 from kvray.actors.leases import Leases
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, control_name, index_name, pool_name
+from kvray.testing.engines import (
+    block_hashes,
+    finish_delayed_frees,
+    full_hit_blocks,
+    full_hit_tokens,
+)
 
 BLOCK = 64 << 10
 
@@ -529,7 +534,7 @@ START_ARGS = {"capacity": ENGINE_CAPACITY, "health_check_interval_s": 0.5}
 @pytest.fixture(scope="module")
 def faults_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     pytest.importorskip("vllm")
-    from vllm_helpers import build_tiny_llama
+    from kvray.testing.engines import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("faults-llama"))
 
@@ -544,7 +549,7 @@ class Engines:
         self.llm: Any = None
 
     def extra(self, mode: str) -> dict[str, Any]:
-        from vllm_helpers import BLOCK_SIZE
+        from kvray.testing.engines import BLOCK_SIZE
 
         block_nbytes = 2 * 2 * 2 * BLOCK_SIZE * 64 * 4  # layers, K/V, kv heads, tokens, dim, f32
         return {
@@ -559,7 +564,8 @@ class Engines:
     def __call__(self, mode: str) -> Any:
         if self.mode != mode:
             from vllm import LLM
-            from vllm_helpers import engine_kwargs, kvray_transfer_config
+
+            from kvray.testing.engines import engine_kwargs, kvray_transfer_config
 
             self.close()
             ktc = kvray_transfer_config(self.ns, **self.extra(mode))
@@ -569,7 +575,7 @@ class Engines:
         return self.llm
 
     def close(self) -> None:
-        from vllm_helpers import close_llm
+        from kvray.testing.engines import close_llm
 
         if self.llm is not None:
             llm, self.llm, self.mode = self.llm, None, None
@@ -595,13 +601,13 @@ def engines(faults_model: str, ray_cluster: Cluster) -> Iterator[Engines]:
 
 
 def _sched(llm: Any) -> Any:
-    from vllm_helpers import connector_of
+    from kvray.testing.engines import connector_of
 
     return connector_of(llm).scheduler
 
 
 def _worker(llm: Any) -> Any:
-    from vllm_helpers import worker_connector_of
+    from kvray.testing.engines import worker_connector_of
 
     return worker_connector_of(llm).worker
 
@@ -618,7 +624,7 @@ def _present(llm: Any, prompt: list[int]) -> int:
 
 def _cold(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
     """Tokens of prompts nothing of which is in kvray (a recompute), then stored and visible."""
-    from vllm_helpers import generate, token_ids
+    from kvray.testing.engines import generate, token_ids
 
     assert all(_present(llm, p) == 0 for p in prompts), "not a cold run"
     sched = _sched(llm)
@@ -642,7 +648,7 @@ def _settle(llm: Any) -> None:
 def _warm(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> tuple[list[list[int]], Any]:
     """Generate with vLLM's own cache emptied: what the engine does not load, it computes.
     Returns the tokens and vLLM's outputs."""
-    from vllm_helpers import generate, token_ids
+    from kvray.testing.engines import generate, token_ids
 
     finish_delayed_frees(llm)
     assert llm.reset_prefix_cache()
@@ -662,7 +668,7 @@ class _Delta:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from vllm_helpers import BLOCK_SIZE
+        from kvray.testing.engines import BLOCK_SIZE
 
         self.seconds = time.monotonic() - self.t0
         c1 = _counters(self.llm)
@@ -678,7 +684,7 @@ class _Delta:
 
 def _prompts(n: int, prefix: int, suffix: int) -> list[list[int]]:
     """Fresh prompts (a random seed per call: blocks that failed are quarantined for a while)."""
-    from vllm_helpers import make_prompts
+    from kvray.testing.engines import make_prompts
 
     return make_prompts(n, prefix, suffix, seed=int.from_bytes(os.urandom(4), "big"))
 
@@ -743,7 +749,7 @@ def test_index_restart_while_an_engine_serves(engines: Engines) -> None:
     """Item 4 with an engine: the index shard crashes while requests run; they finish with
     the tokens of a recompute, the restarted shard rebuilds from the pools (the scheduler's
     lookups hit again and load), and the engine's saves land right after the restart."""
-    from vllm_helpers import cached_tokens
+    from kvray.testing.engines import cached_tokens
 
     llm = engines("sync")
     prompts = _prompts(2, 200, 40)
@@ -780,7 +786,7 @@ def test_a_scheduler_view_of_a_dead_index_is_cleared_and_reconnects(
     good. The scheduler's view is cleared at once (no hit nobody vouches for), requests are
     computed, the store stays open; once kvray is started again the view reconnects by name,
     says so in the log, and the engine loads from kvray again."""
-    from vllm_helpers import cached_tokens
+    from kvray.testing.engines import cached_tokens
 
     caplog.set_level(logging.INFO, logger="kvray.feed")
     llm = engines("sync")
@@ -980,7 +986,7 @@ def test_sync_loads_fail_into_recompute(engines: Engines) -> None:
 def test_a_save_larger_than_staging_is_stored_in_pieces(engines: Engines) -> None:
     """Item 5: a prefill chunk of 22 blocks through staging for 4: every block is stored (in
     pieces), in the step that computed it, none dropped; a second engine loads them all."""
-    from vllm_helpers import BLOCK_SIZE, cached_tokens
+    from kvray.testing.engines import BLOCK_SIZE, cached_tokens
 
     llm = engines("sync")
     (prompt,) = prompts = _prompts(1, 700, 20)
@@ -1023,7 +1029,7 @@ def test_a_prompt_that_fills_its_last_block_recomputes_one_token(engines: Engine
     """A hit on every block of a prompt that fills its last block loads that block too and
     reports one token less: vLLM recomputes one token, not a block, and its tokens are a
     recompute's (the loaded last block is the KV the rest of the prompt attends to)."""
-    from vllm_helpers import BLOCK_SIZE, cached_tokens
+    from kvray.testing.engines import BLOCK_SIZE, cached_tokens
 
     for mode in ("async", "sync"):  # async first: the engine the test before left
         llm = engines(mode)

@@ -27,12 +27,12 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
-from ray_probe import metrics_urls
 from test_store import _corrupt_in_plasma
 
 import kvray
 from kvray import stores
 from kvray.meta.messages import RAY_NAMESPACE, pool_name
+from kvray.testing.probe import metrics_urls
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

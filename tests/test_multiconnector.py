@@ -27,7 +27,10 @@ pytest.importorskip("vllm")
 
 import numpy as np
 import torch
-from vllm_helpers import (
+
+import kvray
+from kvray.config import ConfigError
+from kvray.testing.engines import (
     BLOCK_SIZE,
     block_hashes,
     build_tiny_llama,
@@ -43,9 +46,6 @@ from vllm_helpers import (
     token_ids,
     worker_connector_of,
 )
-
-import kvray
-from kvray.config import ConfigError
 
 pytestmark = [pytest.mark.vllm]
 

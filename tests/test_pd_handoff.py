@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import (
+import kvray
+from kvray.testing.engines import (
     BLOCK_SIZE,
     build_tiny_llama,
     close_llm,
@@ -29,8 +30,6 @@ from vllm_helpers import (
     make_prompts,
     token_ids,
 )
-
-import kvray
 
 pytestmark = [pytest.mark.vllm]
 
@@ -152,7 +151,7 @@ def test_a_later_request_with_the_prefix_hits_kvray_on_either_side(engines: Any)
 
 
 def _hashes(prompt: list[int]) -> list[bytes]:
-    from vllm_helpers import block_hashes
+    from kvray.testing.engines import block_hashes
 
     return block_hashes(prompt)
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from ray_probe import object_bytes_received, object_store_used
 
 import kvray
 from kvray.actors.slices import cut, take
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, LeaseReply, pool_name
+from kvray.testing.probe import object_bytes_received, object_store_used
 
 BLOCK = 256 << 10
 SEGMENT = 16  # blocks of one put: one segment (4 MiB, under segment_bytes)

@@ -30,11 +30,11 @@ pytest.importorskip("vllm")
 pytest.importorskip("ray.serve.llm")
 
 from ray_fixtures import free_port
-from vllm_helpers import BLOCK_SIZE, build_text_model
 
 import kvray
 from kvray.registry import KeySpaceInfo, clear_key_spaces, key_spaces, publish_key_space
 from kvray.serving.inflight import TTL_S as INFLIGHT_TTL_S
+from kvray.testing.engines import BLOCK_SIZE, build_text_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -693,7 +693,7 @@ def test_gcs_calls_per_request_stay_bounded(served: Served) -> None:
     """Requests through the app (each prompt twice: stored, then served from a cache) make no
     GCS call of their own: kvray's handles are resolved once and its threads do not poll the
     GCS; Ray's task events stay at their once-a-second batches."""
-    from ray_probe import gcs_rpc_snapshot, metrics_urls
+    from kvray.testing.probe import gcs_rpc_snapshot, metrics_urls
 
     urls = metrics_urls()
     client = served.client()

@@ -22,10 +22,10 @@ pytest.importorskip("ray.serve.llm")
 
 from ray_fixtures import free_port
 from test_serve import ENGINE_ARGS, MODEL, VOCAB, _token_prompt, _wait_held, _wait_running
-from vllm_helpers import BLOCK_SIZE, build_text_model
 
 import kvray
 from kvray.registry import clear_key_spaces
+from kvray.testing.engines import BLOCK_SIZE, build_text_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

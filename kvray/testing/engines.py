@@ -1,4 +1,4 @@
-"""Helpers for tests (and the benchmark) that run real vLLM engines on the CPU.
+"""Real vLLM engines on the CPU, for the tests and the benchmarks.
 
 A tiny random Llama is written to disk at test time (no download, seconds), prompts are given
 as token ids (``skip_tokenizer_init``), and the model runs in float32 so that greedy token ids
@@ -242,7 +242,7 @@ def worker_connector_of(llm: Any) -> Any:
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
-    """Run one engine in this (fresh) process: ``python vllm_helpers.py run ...``.
+    """Run one engine in this (fresh) process: ``python -m kvray.testing.engines run ...``.
 
     Used by tests and the benchmark for "another process" engines, in vLLM's default
     multiprocess mode (EngineCore and workers in their own processes).
@@ -336,7 +336,7 @@ def run_engine_process(
     tag = uuid.uuid4().hex[:8]
     pfile, ofile = wd / f"prompts-{tag}.json", wd / f"out-{tag}.json"
     pfile.write_text(json.dumps([list(p) for p in prompts]))
-    cmd = [sys.executable, os.path.abspath(__file__), "run", "--model", model]
+    cmd = [sys.executable, "-m", "kvray.testing.engines", "run", "--model", model]
     cmd += ["--prompts", str(pfile), "--out", str(ofile), "--tp", str(tp)]
     cmd += ["--rounds", str(rounds), "--max-tokens", str(max_tokens)]
     if namespace:
