@@ -315,7 +315,7 @@ def main() -> None:
                 for pol in policies:
                     r = kv[pol, cap] = replay(reqs, a, pol, cap)
                     ms = r["ms"]
-                    s = r["stats"]
+                    s = r["stats"].get("totals", {})  # summed over the pools
                     reasons = {k: v for k, v in s.items() if k.startswith("policy_")}
                     print(
                         f"kvray    {cap:>6} blocks {pol:>9}: hit rate {r['hit_rate']:.4f} "
