@@ -181,7 +181,7 @@ def tier_spill(root: str, segments: Segments) -> tuple[float, DiskTier]:
         if count[0] == len(segments):
             done.set()
 
-    tier.on_spilled = spilled  # type: ignore[assignment]
+    tier.events.on_spilled = spilled  # type: ignore[assignment]
     tier.start()
     t0 = time.perf_counter()
     for meta, payload in segments:

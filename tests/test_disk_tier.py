@@ -80,8 +80,8 @@ class Recorder:
         self.over: list[int] = []
         self.lock = threading.Lock()
         self.check_capacity = check_capacity
-        tier.on_spilled = self.spilled
-        tier.on_evicted = self.evicted
+        tier.events.on_spilled = self.spilled
+        tier.events.on_evicted = self.evicted
 
     def spilled(self, seg: DiskSegment) -> None:
         with self.lock:
@@ -259,7 +259,7 @@ from kvray.disk import DiskTier
 from kvray.meta.segment import SegmentMeta
 tier = DiskTier(sys.argv[1], "ns", 256 << 20, max_pending_bytes=32 << 20)
 tier.scan()
-tier.on_spilled = lambda seg: print("spilled", seg.id, flush=True)
+tier.events.on_spilled = lambda seg: print("spilled", seg.id, flush=True)
 tier.start()
 payload = np.frombuffer(np.random.default_rng(5).bytes(8 << 20), np.uint8).reshape(4, 2 << 20)
 s = 0
@@ -536,8 +536,8 @@ def test_tags_come_back_with_what_landed_and_what_did_not(tmp_path) -> None:
     tier.scan()
     spilled: list[tuple[int, int]] = []
     dropped: list[int] = []
-    tier.on_spilled = lambda seg: spilled.append((seg.tag, len(seg.meta)))
-    tier.on_dropped = dropped.extend
+    tier.events.on_spilled = lambda seg: spilled.append((seg.tag, len(seg.meta)))
+    tier.events.on_dropped = dropped.extend
     tier.start()
     ok_meta, ok_payload = make_segment(rng, 4, 4096, "array")
     assert tier.spill(ok_meta, ok_payload, tag=7)

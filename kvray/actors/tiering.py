@@ -92,9 +92,9 @@ class Tiering:
             owner=self._node_id,
         )
         found = tier.scan()
-        tier.on_spilled = self._spilled
-        tier.on_evicted = self._evicted
-        tier.on_dropped = self._dropped
+        tier.events.on_spilled = self._spilled
+        tier.events.on_evicted = self._evicted
+        tier.events.on_dropped = self._dropped
         with self._lock:
             self.tier = tier
             registered = self._register(found)

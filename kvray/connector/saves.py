@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -142,32 +143,24 @@ class PutTracker:
                 logger.debug("kvray: a put failed at flush", exc_info=True)
 
 
+@dataclass
 class StorePath:
     """Store jobs of one rank: gather its blocks into staging (in pieces that fit), put them,
-    and hand the puts to the tracker, which reports them."""
+    and hand the puts to the tracker, which reports them through the outbox."""
 
-    def __init__(
-        self,
-        key_space: EngineKeySpace,
-        store: TransferStore,
-        mover: Mover,
-        copier: PagedCopier,
-        staging: StagingPool,
-        *,
-        shard: int,
-        is_writer: bool,
-        outbox: Outbox,
-    ) -> None:
-        self.key_space = key_space
-        self.store = store
-        self.mover = mover
-        self.copier = copier
-        self.staging = staging
-        self.shard = shard
-        self.is_writer = is_writer
-        self.block_nbytes = key_space.block_nbytes
-        self.outbox = outbox
-        self.puts = PutTracker(outbox)
+    key_space: EngineKeySpace
+    store: TransferStore
+    mover: Mover
+    copier: PagedCopier
+    staging: StagingPool
+    shard: int
+    is_writer: bool
+    outbox: Outbox
+    puts: PutTracker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_nbytes = self.key_space.block_nbytes
+        self.puts = PutTracker(self.outbox)
 
     def submit(self, job_id: JobId, spec: StoreSpec) -> None:
         """Gather the job's blocks into staging (in pieces that fit) and put them; a piece

@@ -16,6 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvray.disk.files import Counters, DiskSegment, FileIndex
 from kvray.disk.slot import Slot, unlink
@@ -70,50 +71,39 @@ class SpillEvents:
     on_dropped: Callable[[list[int]], None] | None = field(default=None)
 
     def spilled(self, segs: list[DiskSegment]) -> None:
-        callback = self.on_spilled
         for seg in segs:
-            if callback is not None:
-                try:
-                    callback(seg)
-                except Exception:
-                    logger.exception("kvray disk tier: on_spilled failed")
+            _tell(self.on_spilled, seg, "on_spilled")
 
     def dropped(self, tags: list[int]) -> None:
-        callback = self.on_dropped
-        if tags and callback is not None:
-            try:
-                callback(tags)
-            except Exception:
-                logger.exception("kvray disk tier: on_dropped failed")
+        if tags:
+            _tell(self.on_dropped, tags, "on_dropped")
 
     def evicted(self, gone: list[DiskSegment]) -> None:
-        callback = self.on_evicted
-        if gone and callback is not None:
-            try:
-                callback(gone)
-            except Exception:
-                logger.exception("kvray disk tier: on_evicted failed")
+        if gone:
+            _tell(self.on_evicted, gone, "on_evicted")
 
 
+def _tell(callback: Callable[[Any], None] | None, arg: object, what: str) -> None:
+    """Call an owner's callback; a failing one is logged, never the writer's death."""
+    if callback is None:
+        return
+    try:
+        callback(arg)
+    except Exception:
+        logger.exception("kvray disk tier: %s failed", what)
+
+
+@dataclass
 class SpillWriter:
-    """The writer loop of one tier: what it shares with the tier is the book it is handed."""
+    """The writer loop of one tier: what it shares with the tier is the book it is handed; it
+    writes in ``slot`` and tells ``events``."""
 
-    def __init__(
-        self,
-        book: TierBook,
-        slot: Slot,
-        events: SpillEvents,
-        *,
-        namespace: str,
-        fingerprint: str,
-        capacity: int,
-    ) -> None:
-        self.book = book
-        self.slot = slot
-        self.events = events
-        self.namespace = namespace
-        self.fingerprint = fingerprint
-        self.capacity = capacity
+    book: TierBook
+    slot: Slot
+    events: SpillEvents
+    namespace: str
+    fingerprint: str
+    capacity: int
 
     def run(self) -> None:
         """The thread's loop: until closing and the queue is empty."""

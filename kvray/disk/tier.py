@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 
 import numpy as np
 
@@ -68,7 +67,7 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.max_files = max_files
         self.base = os.path.join(os.fspath(root), namespace)
-        #: What the owner is told (``on_spilled`` / ``on_evicted`` / ``on_dropped``).
+        #: What the owner is told: set ``events.on_spilled`` / ``on_evicted`` / ``on_dropped``.
         self.events = SpillEvents()
         self._scanned = False
         self._writer: SupervisedThread | None = None
@@ -91,31 +90,6 @@ class DiskTier:
             capacity=self.capacity,
         )
         logger.info("kvray disk tier in %s: capacity %d bytes", self.dir, self.capacity)
-
-    # The owner's callbacks, kept in ``events`` (the writer reads them there).
-    @property
-    def on_spilled(self) -> Callable[[DiskSegment], None] | None:
-        return self.events.on_spilled
-
-    @on_spilled.setter
-    def on_spilled(self, callback: Callable[[DiskSegment], None] | None) -> None:
-        self.events.on_spilled = callback
-
-    @property
-    def on_evicted(self) -> Callable[[list[DiskSegment]], None] | None:
-        return self.events.on_evicted
-
-    @on_evicted.setter
-    def on_evicted(self, callback: Callable[[list[DiskSegment]], None] | None) -> None:
-        self.events.on_evicted = callback
-
-    @property
-    def on_dropped(self) -> Callable[[list[int]], None] | None:
-        return self.events.on_dropped
-
-    @on_dropped.setter
-    def on_dropped(self, callback: Callable[[list[int]], None] | None) -> None:
-        self.events.on_dropped = callback
 
     # ------------------------------------------------------------------ inventory
     def scan(self) -> list[DiskSegment]:

@@ -4,10 +4,22 @@ exported from 0, latency buckets."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from ray.util import metrics
 
-__all__ = ["LATENCY_BOUNDARIES", "PROMOTE_FAILURE_CAUSES", "Disabled", "export_zero"]
+__all__ = ["LATENCY_BOUNDARIES", "PROMOTE_FAILURE_CAUSES", "Disabled", "declare", "export_zero"]
+
+_M = TypeVar("_M")
+
+
+def declare(
+    kind: Callable[..., _M], specs: Mapping[str, tuple[str, str]], keys: tuple[str, ...]
+) -> dict[str, _M]:
+    """Ray metrics of one kind (``metrics.Counter``, ``metrics.Gauge``) from a table
+    ``{figure: (metric name, description)}``, by figure, all with tag keys ``keys``."""
+    return {fig: kind(name, doc, tag_keys=keys) for fig, (name, doc) in specs.items()}
 
 
 class Disabled:

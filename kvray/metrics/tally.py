@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ray.util import metrics
 
-from kvray.metrics.common import LATENCY_BOUNDARIES, export_zero
+from kvray.metrics.common import LATENCY_BOUNDARIES, declare, export_zero
 
 if TYPE_CHECKING:
     from kvray.feed import Subscriber
@@ -36,6 +36,48 @@ HANDOFF_BOUNDARIES = [
 ]
 
 
+#: The tally's counters (:class:`ClientTally`, by name) and the Ray counters they flush to.
+_CLIENT_COUNTERS = {
+    "lookups": ("kvray_lookups", "Prefix lookups answered from the local view"),
+    "hit_blocks": ("kvray_lookup_hit_blocks", "Blocks found by prefix lookups"),
+    "miss_blocks": ("kvray_lookup_miss_blocks", "Blocks asked for by lookups and not found"),
+    "bytes_loaded": ("kvray_bytes_loaded", "Bytes read from pools by this process"),
+    "bytes_stored": ("kvray_bytes_stored", "Bytes handed to pools by this process"),
+    "lost": ("kvray_lost_blocks", "Blocks a get could not serve (evicted, dead node, corrupt)"),
+    "tokens_loaded": ("kvray_tokens_loaded", "Prompt tokens loaded from kvray instead of computed"),
+    "loads_declined": (
+        "kvray_loads_declined",
+        "Hits the connector left to vLLM to compute: their load cost more than the recompute",
+    ),
+    "tokens_declined": (
+        "kvray_tokens_declined",
+        "Tokens of hits computed by vLLM instead of loaded (the load would cost more)",
+    ),
+}
+_CLIENT_GAUGES = {
+    "view_blocks": ("kvray_view_blocks", "Visible blocks in this process's local view"),
+    "view_bytes": ("kvray_view_bytes", "Memory of this process's local view"),
+}
+#: The tally's latency samples (by name) and the Ray histograms they flush to.
+_CLIENT_HISTOGRAMS = {
+    "latencies": (
+        "kvray_lookup_latency_s",
+        "Latency of a prefix lookup",
+        [1e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2],
+    ),
+    "load_latencies": (
+        "kvray_load_latency_s",
+        "Latency of one get (lease, read, verify)",
+        LATENCY_BOUNDARIES,
+    ),
+    "store_latencies": (
+        "kvray_store_latency_s",
+        "Latency of one put, from call to pool ownership",
+        LATENCY_BOUNDARIES,
+    ),
+}
+
+
 class ClientMetrics:
     """Per-process figures of a client (a vLLM scheduler or worker, a driver).
 
@@ -46,65 +88,12 @@ class ClientMetrics:
 
     def __init__(self) -> None:
         keys = ("namespace",)
-        self.lookups = metrics.Counter(
-            "kvray_lookups", "Prefix lookups answered from the local view", tag_keys=keys
-        )
-        self.lookup_hits = metrics.Counter(
-            "kvray_lookup_hit_blocks", "Blocks found by prefix lookups", tag_keys=keys
-        )
-        self.lookup_misses = metrics.Counter(
-            "kvray_lookup_miss_blocks", "Blocks asked for by lookups and not found", tag_keys=keys
-        )
-        self.lookup_latency = metrics.Histogram(
-            "kvray_lookup_latency_s",
-            "Latency of a prefix lookup",
-            boundaries=[1e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2],
-            tag_keys=keys,
-        )
-        self.tokens_loaded = metrics.Counter(
-            "kvray_tokens_loaded",
-            "Prompt tokens loaded from kvray instead of computed",
-            tag_keys=keys,
-        )
-        self.bytes_loaded = metrics.Counter(
-            "kvray_bytes_loaded", "Bytes read from pools by this process", tag_keys=keys
-        )
-        self.bytes_stored = metrics.Counter(
-            "kvray_bytes_stored", "Bytes handed to pools by this process", tag_keys=keys
-        )
-        self.load_latency = metrics.Histogram(
-            "kvray_load_latency_s",
-            "Latency of one get (lease, read, verify)",
-            boundaries=LATENCY_BOUNDARIES,
-            tag_keys=keys,
-        )
-        self.store_latency = metrics.Histogram(
-            "kvray_store_latency_s",
-            "Latency of one put, from call to pool ownership",
-            boundaries=LATENCY_BOUNDARIES,
-            tag_keys=keys,
-        )
-        self.view_blocks = metrics.Gauge(
-            "kvray_view_blocks", "Visible blocks in this process's local view", tag_keys=keys
-        )
-        self.view_bytes = metrics.Gauge(
-            "kvray_view_bytes", "Memory of this process's local view", tag_keys=keys
-        )
-        self.loads_declined = metrics.Counter(
-            "kvray_loads_declined",
-            "Hits the connector left to vLLM to compute: their load cost more than the recompute",
-            tag_keys=keys,
-        )
-        self.tokens_declined = metrics.Counter(
-            "kvray_tokens_declined",
-            "Tokens of hits computed by vLLM instead of loaded (the load would cost more)",
-            tag_keys=keys,
-        )
-        self.lost_blocks = metrics.Counter(
-            "kvray_lost_blocks",
-            "Blocks a get could not serve (evicted, dead node, corrupt)",
-            tag_keys=keys,
-        )
+        self.counters = declare(metrics.Counter, _CLIENT_COUNTERS, keys)
+        self.gauges = declare(metrics.Gauge, _CLIENT_GAUGES, keys)
+        self.histograms = {
+            name: metrics.Histogram(metric, doc, boundaries=bounds, tag_keys=keys)
+            for name, (metric, doc, bounds) in _CLIENT_HISTOGRAMS.items()
+        }
 
     @classmethod
     def get(cls) -> ClientMetrics:
@@ -114,19 +103,8 @@ class ClientMetrics:
 
     def export_zero(self, namespace: str) -> None:
         """Export this process's counters of ``namespace`` from 0 (a new store client)."""
-        tags = {"namespace": namespace}
-        for counter in (
-            self.lookups,
-            self.lookup_hits,
-            self.lookup_misses,
-            self.tokens_loaded,
-            self.bytes_loaded,
-            self.bytes_stored,
-            self.lost_blocks,
-            self.loads_declined,
-            self.tokens_declined,
-        ):
-            export_zero(counter, tags)
+        for counter in self.counters.values():
+            export_zero(counter, {"namespace": namespace})
 
 
 class ClientTally:
@@ -139,17 +117,7 @@ class ClientTally:
     """
 
     MAX_SAMPLES = 10_000
-    COUNTERS = (
-        "lookups",
-        "hit_blocks",
-        "miss_blocks",
-        "bytes_loaded",
-        "bytes_stored",
-        "lost",
-        "tokens_loaded",
-        "loads_declined",
-        "tokens_declined",
-    )
+    COUNTERS = tuple(_CLIENT_COUNTERS)
 
     def __init__(self, namespace: str) -> None:
         self.tags = {"namespace": namespace}
@@ -208,32 +176,18 @@ class ClientTally:
         m = ClientMetrics.get()
         t = self.tags
         counts, samples = self.take()
-        for name, counter in (
-            ("lookups", m.lookups),
-            ("hit_blocks", m.lookup_hits),
-            ("miss_blocks", m.lookup_misses),
-            ("bytes_loaded", m.bytes_loaded),
-            ("bytes_stored", m.bytes_stored),
-            ("lost", m.lost_blocks),
-            ("tokens_loaded", m.tokens_loaded),
-            ("loads_declined", m.loads_declined),
-            ("tokens_declined", m.tokens_declined),
-        ):
+        for name, counter in m.counters.items():
             n = counts[name]
             if n > 0:
                 counter.inc(n, tags=t)
             elif n < 0:  # taken back after the flush (manager.py moves misses to hits)
                 self.add(**{name: n})
-        for name, hist in (
-            ("latencies", m.lookup_latency),
-            ("load_latencies", m.load_latency),
-            ("store_latencies", m.store_latency),
-        ):
+        for name, hist in m.histograms.items():
             for v in samples[name]:
                 hist.observe(v, tags=t)
         if self.view_blocks >= 0:
-            m.view_blocks.set(self.view_blocks, tags=t)
-            m.view_bytes.set(self.view_bytes, tags=t)
+            m.gauges["view_blocks"].set(self.view_blocks, tags=t)
+            m.gauges["view_bytes"].set(self.view_bytes, tags=t)
 
 
 class ViewTally(ClientTally):
