@@ -141,7 +141,7 @@ class Subscriber:
         """Forget every shard (on the feed thread: the view keeps one writer)."""
         with self._cv:
             for s in self._shards:
-                self.view.clear_shard(s.index)
+                self.view.clear_index_shard(s.index)
                 s.cleared, s.failures, s.retry_at, s.next_poll = True, 0, 0.0, 0.0
             self._cv.notify_all()
 
@@ -243,7 +243,7 @@ class Subscriber:
             self.error = "kvray was stopped in this namespace"
             with self._cv:
                 for shard in self._shards:
-                    self.view.clear_shard(shard.index)
+                    self.view.clear_index_shard(shard.index)
                 self._cv.notify_all()
             return
         with self._cv:
@@ -270,7 +270,7 @@ class Subscriber:
                 self.error,
             )
             with self._cv:
-                self.view.clear_shard(s.index)
+                self.view.clear_index_shard(s.index)
                 self._cv.notify_all()
             s.cleared = True
         s.retry_at = time.monotonic() + min(2.0, 0.1 * 2 ** min(s.failures, 5))

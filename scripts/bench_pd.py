@@ -156,7 +156,7 @@ def main() -> None:
     from ray import serve
 
     import kvray
-    from kvray.serve import build_app
+    from kvray.serving import build_app
     from kvray.testing.engines import build_text_model
 
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-pd-"))

@@ -4,7 +4,7 @@
    lookup (vLLM's block hashes, kvray keys, the view's CPU tiers per node, the engine tier per
    replica) plus the score of 16 candidates and its memory of what it routed where (every
    replica holding the whole prompt there: its slowest case), called from an asyncio loop
-   through the router's own lookup thread (:class:`~kvray.serving.view.LookupLoop`), as
+   through the router's own lookup thread (:class:`~kvray.serving.routeview.LookupLoop`), as
    Serve's loop would.
    Engines: 16 reporters, each holding ``--engine-blocks`` blocks plus part of the prompt.
 2. Lag: an engine reports a new block (vLLM's ``BlockStored`` handed to the reporter, as the
@@ -50,13 +50,13 @@ def main() -> None:
     from vllm.distributed.kv_events import BlockStored
 
     import kvray
-    from kvray.connector.engine import EngineReporter
+    from kvray.connector.reporter import EngineReporter
     from kvray.meta.ids import engine_ids
     from kvray.registry import KeySpaceInfo
     from kvray.serving.inflight import InFlight, Unsent
     from kvray.serving.prompts import BlockHasher
+    from kvray.serving.routeview import LookupLoop, PromptTiers
     from kvray.serving.score import Candidate, Weights, pick
-    from kvray.serving.view import LookupLoop, PromptTiers
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ns = f"br{uuid.uuid4().hex[:6]}"

@@ -215,12 +215,12 @@ def serve_llm_config(
     router: str = "prefix",
     **kwargs: Any,
 ) -> Any:
-    """The same Ray Serve LLM ``LLMConfig`` as ``kvray.serve.build_llm_config(kv_cache="none",
+    """The same Ray Serve LLM ``LLMConfig`` as ``kvray.serving.build_llm_config(kv_cache="none",
     router="prefix")`` (Ray's ``PrefixCacheAffinityRouter``), with LMCache's MP connector on
     every replica's engine, its server at ``host:port``; the replicas' processes get
     :func:`engine_path` on ``PYTHONPATH`` (``runtime_env``). ``router``: ``prefix`` or
-    ``pow2``; ``kv_cache`` must be ``lmcache`` (``kvray.serve.build_app``'s arguments)."""
-    from kvray.serve import build_llm_config
+    ``pow2``; ``kv_cache`` must be ``lmcache`` (``kvray.serving.build_app``'s arguments)."""
+    from kvray.serving import build_llm_config
 
     if kv_cache != "lmcache":
         raise ValueError(f"kv_cache={kv_cache!r}: this app is LMCache's")

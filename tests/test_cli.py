@@ -11,7 +11,7 @@ from ray.cluster_utils import Cluster
 from typer.testing import CliRunner
 
 import kvray
-from kvray.cli import app
+from kvray.ops.cli import app
 
 runner = CliRunner()
 

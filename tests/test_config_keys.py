@@ -138,7 +138,7 @@ def test_non_finite_negative_and_absurd_values_name_the_field(field: str, value:
 def test_one_number_rule_for_every_number_kvray_is_given() -> None:
     """Seconds, weights and intervals share one check: a bool, a string, NaN or infinity is
     a ConfigError naming the field and the range, wherever the number is given."""
-    from kvray.monitor import _check_interval
+    from kvray.ops.monitor import _check_interval
     from kvray.serving.inflight import InFlight
     from kvray.serving.score import Weights
 

@@ -585,7 +585,7 @@ def test_unreachable_cluster_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None
     import ray
 
     from kvray.config import KVRayConfig
-    from kvray.connector import cluster
+    from kvray.connector import attach as cluster
     from kvray.errors import StoreUnavailableError
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -599,7 +599,7 @@ def test_no_cluster_configured_is_an_error(monkeypatch: pytest.MonkeyPatch) -> N
     import ray
 
     from kvray.config import KVRayConfig
-    from kvray.connector import cluster
+    from kvray.connector import attach as cluster
     from kvray.errors import StoreUnavailableError
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

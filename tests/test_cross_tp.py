@@ -158,7 +158,7 @@ def test_bad_sizes_are_refused() -> None:
 
 # ---------------------------------------------------------------------- key spaces
 def space(tp: int, **kw: Any) -> Any:
-    from kvray.connector.keys import key_space
+    from kvray.connector.keyspace import key_space
 
     total = kw.pop("total_heads", 8)
     mla = kw.get("mla", False)
@@ -244,7 +244,7 @@ def test_real_vllm_configs_key_tp_sizes_alike_and_models_apart(tmp_path: Any) ->
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvray.config import KVRayConfig
-    from kvray.connector.keys import build_key_space
+    from kvray.connector.keyspace import build_key_space
     from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama
 
     one = build_tiny_llama(tmp_path / "kv2", kv_heads=2)

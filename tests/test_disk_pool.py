@@ -28,12 +28,12 @@ from typer.testing import CliRunner
 
 import kvray
 from kvray.blocks import checksum
-from kvray.cli import app
 from kvray.config import ConfigError, KVRayConfig
 from kvray.disk import DiskTier, fingerprint, segfile
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
 from kvray.meta.segment import SegmentMeta
+from kvray.ops.cli import app
 from kvray.testing.engines import in_process_engines
 
 MiB = 1 << 20

@@ -1,7 +1,7 @@
 """The engine tier: engines' own caches in kvray's index, for routing only.
 
 Unit tests (no cluster) for the holder table, the view, the score; then a real Ray cluster and
-real index shards fed by :class:`~kvray.connector.engine.EngineReporter` with vLLM's own event
+real index shards fed by :class:`~kvray.connector.reporter.EngineReporter` with vLLM's own event
 classes (the scheduler's thread is the only thing not running): a report becomes visible in
 another process's view, an eviction shrinks it, a clean stop, a new incarnation and a killed
 engine leave no entries, and engine entries are never a load source.
@@ -19,7 +19,7 @@ import pytest
 import ray
 
 import kvray
-from kvray.meta.engine import (
+from kvray.meta.engine_table import (
     BYTES_PER_ENTRY,
     ENGINE_TTL_S,
     MAX_REPLICAS,
@@ -85,7 +85,7 @@ def test_view_applies_records_snapshots_and_stays_in_budget() -> None:
     v.apply(ids, np.array([1, 1, 1], dtype=np.uint64))
     v.apply(ids[1:], np.array([0, 3], dtype=np.uint64))  # 8 gone, 9 held by two
     assert v.masks(ids).tolist() == [1, 0, 3]
-    v.load_shard(0, np.zeros(0, np.uint64), np.zeros(0, np.uint64))  # shard 0's range gone
+    v.load_index_shard(0, np.zeros(0, np.uint64), np.zeros(0, np.uint64))  # shard 0's range gone
     assert len(v) < MAX_REPLICAS * 5000
     # A process's view counts the engine tier in its bytes (metric kvray_view_bytes).
     from kvray.meta.messages import Changes
@@ -97,8 +97,8 @@ def test_view_applies_records_snapshots_and_stays_in_budget() -> None:
     view.load(
         [
             Changes(
-                shard=0, epoch="e", seq=1, ids=none, locs=none.astype(np.uint16), snapshot=True,
-                engine_ids=eids, engine_masks=np.ones(eids.size, dtype=np.uint64),
+                index_shard=0, epoch="e", seq=1, ids=none, locs=none.astype(np.uint16),
+                snapshot=True, engine_ids=eids, engine_masks=np.ones(eids.size, dtype=np.uint64),
             )
         ]
     )  # fmt: skip
@@ -239,7 +239,7 @@ def test_the_reporters_queue_is_bounded_and_ends_with_it(monkeypatch: pytest.Mon
     queue is dropped for one "cleared" mark (the engine's entries emptied, then rebuilt from
     what follows, never wrong); once the reporter thread has ended nothing is queued."""
     pytest.importorskip("vllm")
-    from kvray.connector import engine
+    from kvray.connector import reporter as engine
 
     monkeypatch.setattr(engine, "MAX_PENDING_BLOCKS", 100)
     rep = engine.EngineReporter("unused", 1, "node", key="stuck")  # its thread never starts
@@ -259,7 +259,7 @@ def test_the_reporters_queue_is_bounded_and_ends_with_it(monkeypatch: pytest.Mon
 
 
 def _reporter(ns: str, key: str) -> Any:
-    from kvray.connector.engine import EngineReporter
+    from kvray.connector.reporter import EngineReporter
 
     store = kvray.connect(ns)
     try:
@@ -354,7 +354,7 @@ class _Engine:
     """An engine process stand-in: a reporter fed vLLM's events, killed without a word."""
 
     def __init__(self, ns: str, shards: int, hashes: list[bytes]) -> None:
-        from kvray.connector.engine import EngineReporter
+        from kvray.connector.reporter import EngineReporter
 
         self.rep = EngineReporter(ns, shards, ray.get_runtime_context().get_node_id(), "doomed")
         self.rep.observe(_events(stored=hashes))

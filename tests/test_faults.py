@@ -462,7 +462,7 @@ def test_scheduler_and_manager_containers_stay_bounded(
 
     from kvray.config import KVRayConfig
     from kvray.connector import manager as manager_mod
-    from kvray.connector.keys import EngineKeySpace
+    from kvray.connector.keyspace import EngineKeySpace
     from kvray.connector.manager import MAX_PENDING, KVRayCacheManager
     from kvray.connector.quarantine import MAX_QUARANTINE
     from kvray.connector.scheduler import KVRayConnectorScheduler

@@ -22,7 +22,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import kvray
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import (
     KVRayConnectorMetadata,

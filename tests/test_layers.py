@@ -59,8 +59,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "kvray.blockio",
         "kvray.feed",
     ),
-    # The connector's seams (Protocols only): nothing of the client or the server either.
+    # The connector's package and its seams (Protocols only): no vLLM, Ray or torch (the
+    # connector vLLM builds lives in kvray.connector.connector), nothing of the client.
+    "kvray.connector": ("vllm", "ray", "torch", "kvray.client", "kvray.connector.connector"),
     "kvray.connector.sides": (
+        "vllm",
+        "ray",
+        "torch",
         *SERVER,
         "kvray.actors",
         "pyarrow",

@@ -178,7 +178,7 @@ def test_view_applies_records_snapshots_and_resolves_locations() -> None:
         locs[-1] = code
         v.apply(
             Changes(
-                shard=s, epoch="e", seq=1, ids=mine, locs=locs, snapshot=True,
+                index_shard=s, epoch="e", seq=1, ids=mine, locs=locs, snapshot=True,
                 placements={code: (3, 0)}, nodes=nodes,
             )
         )  # fmt: skip
@@ -193,14 +193,14 @@ def test_view_applies_records_snapshots_and_resolves_locations() -> None:
     first = ids[shard == 0][0]
     v.apply(
         Changes(
-            shard=0, epoch="e", seq=3, ids=np.array([first, first], dtype=np.uint64),
+            index_shard=0, epoch="e", seq=3, ids=np.array([first, first], dtype=np.uint64),
             locs=np.array([2, 0], dtype=np.uint16), nodes=nodes,
         )
     )  # fmt: skip
     assert not v.contains(np.array([first], dtype=np.uint64))[0]
     assert removed == [int(first)]
     # A shard that goes away is cleared; the other shard's blocks stay.
-    v.clear_shard(1)
+    v.clear_index_shard(1)
     assert len(v) == int((shard == 0).sum()) - 1
     assert v.seqs[1] == -1 and v.epochs[1] == ""
     assert MAX_POOLS < PLACEMENT_BASE

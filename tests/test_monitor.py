@@ -37,8 +37,8 @@ from ray.cluster_utils import Cluster
 from rich.console import Console
 
 import kvray
-from kvray import monitor
-from kvray.watch import NodeRates, Rates, render
+from kvray.ops import monitor
+from kvray.ops.watch import NodeRates, Rates, render
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 64 << 10
@@ -271,7 +271,7 @@ def prometheus(traffic: Traffic, tmp_path_factory: pytest.TempPathFactory) -> It
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     data = tmp_path_factory.mktemp("prometheus")
-    cmd = [sys.executable, "-m", "kvray.cli", "monitor", "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvray.ops.cli", "monitor", "--port", str(port)]
     cmd += ["--scrape-interval", "1", "--data-dir", str(data)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -464,7 +464,7 @@ def test_status_watch_in_tmux_updates_and_exits_0_on_ctrl_c(kvray_ns: str, tmp_p
     # while kvray itself starts with SIGINT at its default (handlers do not survive exec).
     # The pane's shell may export a stale COLUMNS=80 (rich would take it over the tty's size).
     cmd = (
-        f"trap 'true' INT; unset COLUMNS LINES; {sys.executable} -m kvray.cli status --watch "
+        f"trap 'true' INT; unset COLUMNS LINES; {sys.executable} -m kvray.ops.cli status --watch "
         f"--namespace {kvray_ns}; echo kvray-exit=$?; sleep 600"
     )
     env = [f"{k}={os.environ[k]}" for k in ("PYTHONPATH", "RAY_ADDRESS", "RAY_AUTH_MODE")]

@@ -76,7 +76,7 @@ class Served:
 def served(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from ray import serve
 
-    from kvray.serve import build_app
+    from kvray.serving import build_app
 
     model = build_text_model(tmp_path_factory.mktemp("serve") / "model", vocab=VOCAB)
     ns = f"serve{uuid.uuid4().hex[:6]}"
@@ -140,7 +140,7 @@ async def _collect(gen: Any) -> Any:
 
 
 def _hasher(ns: str) -> Any:
-    from kvray.serving.view import KeySpaceCache
+    from kvray.serving.routeview import KeySpaceCache
 
     hasher = KeySpaceCache(ns).hasher(MODEL)
     assert hasher is not None, "no engine published its key space"
@@ -148,7 +148,7 @@ def _hasher(ns: str) -> Any:
 
 
 def _held(store: kvray.Store, ns: str, tokens: list[int]) -> dict[str, int]:
-    from kvray.serving.view import held_blocks_by_node
+    from kvray.serving.routeview import held_blocks_by_node
 
     hasher = _hasher(ns)
     keys = hasher.keys_per_shard(hasher.block_hashes(tokens))
@@ -460,7 +460,7 @@ def test_backend_setup_completes_a_user_config(ray_cluster: Cluster) -> None:
 def test_cli_serve_refuses_bad_arguments_in_one_line(ray_cluster: Cluster) -> None:
     from typer.testing import CliRunner
 
-    from kvray.cli import app
+    from kvray.ops.cli import app
 
     runner = CliRunner()
     bad_router = runner.invoke(app, ["serve", "/models/m", "--router", "fastest"])

@@ -37,7 +37,7 @@ TEXT = "".join(f"row_{i} = fetch({i}, retries=3)\n" for i in range(30))
 def pd_app(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from ray import serve
 
-    from kvray.serve import build_app
+    from kvray.serving import build_app
 
     model = build_text_model(tmp_path_factory.mktemp("pd") / "model", vocab=VOCAB)
     ns = f"pd{uuid.uuid4().hex[:6]}"

@@ -144,7 +144,7 @@ def test_cli_serve_refuses_in_one_line_where_serve_listens_elsewhere(no_serve: N
     from typer.testing import CliRunner
 
     import kvray
-    from kvray.cli import app
+    from kvray.ops.cli import app
 
     port, other_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

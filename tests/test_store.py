@@ -250,7 +250,7 @@ def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(kvray_ns:
 def test_connector_halves_in_one_process_share_a_store(kvray_ns: str) -> None:
     pytest.importorskip("vllm")  # kvray.connector imports vLLM
     from kvray.config import KVRayConfig
-    from kvray.connector.cluster import close_store, open_store
+    from kvray.connector.attach import close_store, open_store
 
     cfg = KVRayConfig(namespace=kvray_ns)
     a, b = open_store(cfg), open_store(cfg)

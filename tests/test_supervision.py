@@ -373,7 +373,7 @@ def test_close_disk_and_watch_refuse_an_unbounded_wait(pool: BlockPool) -> None:
     from rich.console import Console
 
     from kvray.errors import InvalidArgumentError
-    from kvray.watch import watch
+    from kvray.ops.watch import watch
 
     for bad in (float("inf"), float("nan"), -1, True, "10"):
         with pytest.raises(InvalidArgumentError, match="close_disk: timeout"):

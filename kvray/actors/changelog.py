@@ -28,7 +28,7 @@ Records = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 
 class ChangeLog:
     """Records ``(ids, locs)`` of the CPU tier or ``(ids, masks)`` of the engine tier
-    (:mod:`kvray.meta.engine`), numbered ``floor + 1 .. seq``; the oldest are dropped beyond
+    (:mod:`kvray.meta.engine_table`), numbered ``floor + 1 .. seq``; the oldest are dropped beyond
     ``MAX_LOG_ENTRIES`` entries (``floor`` counts them). Event-loop thread only."""
 
     def __init__(self) -> None:

@@ -1,10 +1,10 @@
 """An index shard's engine tier: engines report what their own KV cache holds; entries expire.
 
-Engines (:class:`~kvray.connector.engine.EngineReporter`, in vLLM's scheduler process) send
+Engines (:class:`~kvray.connector.reporter.EngineReporter`, in vLLM's scheduler process) send
 each index shard its part of their cache's changes, in order (one call at a time, each waited
-for), and an empty report at least every :data:`~kvray.meta.engine.REPORT_INTERVAL_S`. Slots
+for), and an empty report at least every :data:`~kvray.meta.engine_table.REPORT_INTERVAL_S`. Slots
 (bits of the holder masks) are given by shard 0 (:meth:`EngineTier.register`), one per engine
-incarnation. An engine whose reports stop for :data:`~kvray.meta.engine.ENGINE_TTL_S` (killed,
+incarnation. An engine whose reports stop for :data:`~kvray.meta.engine_table.ENGINE_TTL_S` (killed,
 hung, its node gone) is purged; a new incarnation on a slot, or a report the shard cannot
 place, makes the engine send its whole cache again (``full``). Nothing here survives a shard
 restart; the engines' next reports are refused and they resend everything.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvray.actors.changelog import ChangeLog
-from kvray.meta.engine import ENGINE_TTL_S, MAX_REPLICAS, EngineHolders
+from kvray.meta.engine_table import ENGINE_TTL_S, MAX_REPLICAS, EngineHolders
 from kvray.meta.messages import ReplicaInfo
 
 logger = logging.getLogger(__name__)

@@ -115,7 +115,7 @@ class IndexShard:
         eids, emasks = engine if engine is not None else (ids[:0], ids[:0])
         codes = np.unique(locs[locs >= PLACEMENT_BASE]).tolist() if locs.size else []
         return Changes(
-            shard=self._shard,
+            index_shard=self._shard,
             epoch=self._epoch,
             seq=seq,
             ids=ids,
@@ -132,7 +132,7 @@ class IndexShard:
     def _stopped(self) -> Changes:
         empty = np.zeros(0, dtype=np.uint64)
         return Changes(
-            shard=self._shard,
+            index_shard=self._shard,
             epoch=self._epoch,
             seq=self._feed.seq,
             ids=empty,

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.manager import LoadPlan
 from kvray.connector.metadata import JobId, ReqId, StoreSpec
 from kvray.meta.holders import MAX_POOLS, PLACEMENT_BASE, decode_slots, split_positions

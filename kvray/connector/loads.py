@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvray.blocks import Fetched
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.metadata import JobId, LoadSpec
 from kvray.connector.paged import Source
 from kvray.connector.sides import TransferStore

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.sides import ViewStore
 from kvray.meta.holders import PLACEMENT_BASE, split_positions
 from kvray.meta.idtable import IdTable

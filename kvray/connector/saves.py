@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.metadata import JobId, KVRayWorkerMetadata, ReqId, StoreSpec
 from kvray.connector.paged import Mover, PagedCopier
 from kvray.connector.sides import TransferStore

@@ -36,7 +36,7 @@ from kvray.connector.handoff import (
     hold_until_stored,
     wants_handoff,
 )
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.metadata import (
     JobId,
     KVRayConnectorMetadata,

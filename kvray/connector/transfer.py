@@ -34,7 +34,7 @@ import torch
 
 from kvray.blocks import checksum
 from kvray.config import KVRayConfig
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.loads import LoadJob
 from kvray.connector.metadata import (
     JobId,

@@ -18,7 +18,7 @@ import logging
 import torch
 
 from kvray.config import KVRayConfig
-from kvray.connector.keys import EngineKeySpace
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.metadata import (
     KVRayConnectorMetadata,
     KVRayWorkerMetadata,

@@ -2,7 +2,7 @@
 
 Why not a dict: a Python dict of ``bytes`` keys costs 100-200 bytes a key and one interpreter
 step per key; this table costs ``(8 + value bytes) / load`` (12-30 bytes a block for a view),
-and its probe and insert loops are compiled (:mod:`kvray.meta.kernels`): a 64-id prefix lookup
+and its probe and insert loops are compiled (:mod:`kvray.meta.idloops`): a 64-id prefix lookup
 in a table of 10M ids takes a few microseconds, a batch insert tens of nanoseconds an id.
 
 Layout: ``keys`` holds the ids (``0`` empty, ``1`` deleted), each value column is an array of
@@ -33,8 +33,8 @@ _MIN_CAPACITY = 64
 
 @functools.cache
 def _k() -> ModuleType:
-    """:mod:`kvray.meta.kernels`, imported (and numba with it) on first use."""
-    from kvray.meta import kernels
+    """:mod:`kvray.meta.idloops`, imported (and numba with it) on first use."""
+    from kvray.meta import idloops as kernels
 
     return kernels
 

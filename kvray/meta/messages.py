@@ -175,7 +175,7 @@ class Changes:
     (:mod:`kvray.meta.holders`). ``placements`` resolves every placement code in ``locs``.
     """
 
-    shard: int
+    index_shard: int
     epoch: str
     seq: int
     ids: np.ndarray

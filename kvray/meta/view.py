@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvray.meta.engine import EngineView
+from kvray.meta.engine_table import EngineView
 from kvray.meta.holders import decode_slots, split_positions
 from kvray.meta.ids import index_shard_of
 from kvray.meta.idtable import IdTable
@@ -29,19 +29,19 @@ Listener = Callable[[np.ndarray, np.ndarray], None]
 class LocalView:
     """Visible blocks of a namespace as seen by this process."""
 
-    def __init__(self, num_shards: int) -> None:
-        self.num_shards = num_shards
+    def __init__(self, num_index_shards: int) -> None:
+        self.num_index_shards = num_index_shards
         self.table = IdTable({"loc": np.uint16})
-        self.epochs = [""] * num_shards
-        self.seqs = [-1] * num_shards
-        self.placements: list[dict[int, tuple[int, ...]]] = [{} for _ in range(num_shards)]
-        self._nodes_of: list[dict[int, NodeInfo]] = [{} for _ in range(num_shards)]
+        self.epochs = [""] * num_index_shards
+        self.seqs = [-1] * num_index_shards
+        self.placements: list[dict[int, tuple[int, ...]]] = [{} for _ in range(num_index_shards)]
+        self._nodes_of: list[dict[int, NodeInfo]] = [{} for _ in range(num_index_shards)]
         #: slot -> pool, merged over the shards' tables.
         self.nodes: dict[int, NodeInfo] = {}
         self.listener: Listener | None = None
         #: The engine tier (routing only, never a load source: lookups above never read it).
-        self.engine = EngineView(num_shards)
-        self._replicas_of: list[dict[int, ReplicaInfo]] = [{} for _ in range(num_shards)]
+        self.engine = EngineView(num_index_shards)
+        self._replicas_of: list[dict[int, ReplicaInfo]] = [{} for _ in range(num_index_shards)]
         #: slot -> reporting engine, merged over the shards.
         self.replicas: dict[int, ReplicaInfo] = {}
 
@@ -55,11 +55,11 @@ class LocalView:
 
     # ------------------------------------------------------------------ writes (feed thread)
     def apply(self, ch: Changes) -> None:
-        s = ch.shard
+        s = ch.index_shard
         if ch.snapshot:
-            self._load_shard(s, ch.ids, ch.locs)
+            self._load_index_shard(s, ch.ids, ch.locs)
             self.placements[s] = dict(ch.placements)
-            self.engine.load_shard(s, ch.engine_ids, ch.engine_masks)
+            self.engine.load_index_shard(s, ch.engine_ids, ch.engine_masks)
         else:
             self.placements[s].update(ch.placements)
             self._apply_records(ch.ids, ch.locs)
@@ -72,7 +72,7 @@ class LocalView:
 
     def load(self, snapshots: list[Changes]) -> None:
         """Start from a snapshot of every shard at once (one table build, not one per shard)."""
-        if sorted(ch.shard for ch in snapshots) != list(range(self.num_shards)):
+        if sorted(ch.index_shard for ch in snapshots) != list(range(self.num_index_shards)):
             raise ValueError("LocalView.load needs one snapshot of every shard")
         if not all(ch.snapshot for ch in snapshots):
             raise ValueError("LocalView.load takes snapshots only")
@@ -85,10 +85,10 @@ class LocalView:
             mask=np.concatenate([ch.engine_masks for ch in snapshots]),
         )
         for ch in snapshots:
-            self._replicas_of[ch.shard] = ch.replicas
-            self.placements[ch.shard] = dict(ch.placements)
-            self._nodes_of[ch.shard] = ch.nodes
-            self.epochs[ch.shard], self.seqs[ch.shard] = ch.epoch, ch.seq
+            self._replicas_of[ch.index_shard] = ch.replicas
+            self.placements[ch.index_shard] = dict(ch.placements)
+            self._nodes_of[ch.index_shard] = ch.nodes
+            self.epochs[ch.index_shard], self.seqs[ch.index_shard] = ch.epoch, ch.seq
         self.nodes = _merge(self._nodes_of)
         self.replicas = _merge(self._replicas_of)
 
@@ -108,11 +108,11 @@ class LocalView:
         if self.listener is not None:
             self.listener(added, removed)
 
-    def _load_shard(self, shard: int, ids: np.ndarray, locs: np.ndarray) -> None:
-        """Replace everything of one shard's id range (built aside, then swapped in)."""
+    def _load_index_shard(self, index_shard: int, ids: np.ndarray, locs: np.ndarray) -> None:
+        """Replace everything of one index shard's id range (built aside, then swapped in)."""
         old_ids, cols = self.table.items()
-        if self.num_shards > 1:
-            keep = index_shard_of(old_ids, self.num_shards) != shard
+        if self.num_index_shards > 1:
+            keep = index_shard_of(old_ids, self.num_index_shards) != index_shard
             all_ids = np.concatenate((old_ids[keep], ids))
             all_locs = np.concatenate((cols["loc"][keep], locs))
             old_ids = old_ids[~keep]
@@ -122,16 +122,20 @@ class LocalView:
         if self.listener is not None:
             self.listener(np.setdiff1d(ids, old_ids), np.setdiff1d(old_ids, ids))
 
-    def clear_shard(self, shard: int) -> None:
-        """Forget one shard (its index is gone): no lookup reports its blocks any more."""
-        self._load_shard(shard, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint16))
-        self.placements[shard] = {}
-        self._nodes_of[shard] = {}
+    def clear_index_shard(self, index_shard: int) -> None:
+        """Forget one index shard (its index is gone): no lookup reports its blocks any more."""
+        self._load_index_shard(
+            index_shard, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint16)
+        )
+        self.placements[index_shard] = {}
+        self._nodes_of[index_shard] = {}
         self.nodes = _merge(self._nodes_of)
-        self.engine.load_shard(shard, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64))
-        self._replicas_of[shard] = {}
+        self.engine.load_index_shard(
+            index_shard, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+        )
+        self._replicas_of[index_shard] = {}
         self.replicas = _merge(self._replicas_of)
-        self.epochs[shard], self.seqs[shard] = "", -1
+        self.epochs[index_shard], self.seqs[index_shard] = "", -1
 
     # ------------------------------------------------------------------ reads (any thread)
     def lookup(self, ids: np.ndarray) -> int:
@@ -166,7 +170,7 @@ class LocalView:
         not known here). Codes are interned per index shard: each block's owner resolves it."""
         if not ids.size:
             return []
-        owner = index_shard_of(ids, self.num_shards).tolist()
+        owner = index_shard_of(ids, self.num_index_shards).tolist()
         return [self.placements[o].get(c) for o, c in zip(owner, codes.tolist(), strict=True)]
 
     def pool_names(self) -> dict[int, str]:

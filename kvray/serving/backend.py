@@ -27,7 +27,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnector
 from kvray.callers import outermost_caller
 from kvray.cluster import NODE_ENV
 from kvray.config import ConfigError, KVRayConfig
-from kvray.meta.engine import REPLICA_ENV
+from kvray.meta.engine_table import REPLICA_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -34,9 +34,15 @@ from kvray.config import ConfigError, check_namespace
 from kvray.meta.costs import Costs
 from kvray.serving.inflight import TTL_S, InFlight, Unsent
 from kvray.serving.prompts import PromptSource, TokenizerLike, prompt_of
+from kvray.serving.routeview import (
+    KeySpaceCache,
+    LookupLoop,
+    PromptTiers,
+    decision_metric,
+    shared_store,
+)
 from kvray.serving.score import Candidate, Weights, pick, pick_ttft
 from kvray.serving.tokenize import EngineTokenizer
-from kvray.serving.view import KeySpaceCache, LookupLoop, PromptTiers, decision_metric, shared_store
 from kvray.threads import SupervisedThread
 
 logger = logging.getLogger(__name__)

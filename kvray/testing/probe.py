@@ -110,7 +110,7 @@ def metrics_urls() -> list[str]:
     """Every live node's Prometheus endpoint (needs ``ray.init``)."""
     import ray
 
-    from kvray.monitor import node_targets
+    from kvray.ops.monitor import node_targets
 
     return [f"http://{target}/metrics" for target in node_targets(ray.nodes())]
 

@@ -11,7 +11,7 @@ passed on to vLLM's publisher): no ZMQ socket, no port per replica.
 The scheduler's thread only appends the events to a list; a supervised thread replays them
 into the set of held ids and sends each index shard its part of the net change, one call at a
 time (in order), every few milliseconds, or an empty report (a heartbeat) every
-:data:`~kvray.meta.engine.REPORT_INTERVAL_S`. Anything refused or lost makes the next report a
+:data:`~kvray.meta.engine_table.REPORT_INTERVAL_S`. Anything refused or lost makes the next report a
 full one. On ``close`` the engine's entries are dropped at once; a killed engine's expire.
 The queue is bounded (:data:`MAX_PENDING_BLOCKS`): a reporter that falls that far behind
 clears this engine's entries and rebuilds them from later events, one that ended queues nothing.
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from kvray.meta.engine import REPLICA_ENV, REPORT_INTERVAL_S
+from kvray.meta.engine_table import REPLICA_ENV, REPORT_INTERVAL_S
 from kvray.meta.ids import engine_ids, index_shard_of
 from kvray.meta.messages import RAY_NAMESPACE, ReplicaInfo, index_name
 from kvray.threads import SupervisedThread
@@ -58,9 +58,9 @@ def replica_key() -> str:
 class EngineReporter:
     """Sends what one engine's KV cache holds to every index shard of a namespace."""
 
-    def __init__(self, namespace: str, num_shards: int, node_id: str, key: str | None = None):
+    def __init__(self, namespace: str, num_index_shards: int, node_id: str, key: str | None = None):
         self.namespace = namespace
-        self.num_shards = num_shards
+        self.num_index_shards = num_index_shards
         self.key = key or replica_key()
         self.node_id = node_id
         self.incarnation = uuid.uuid4().hex
@@ -198,7 +198,7 @@ class EngineReporter:
             if self._handles is None:
                 self._handles = [
                     ray.get_actor(index_name(self.namespace, i), namespace=RAY_NAMESPACE)
-                    for i in range(self.num_shards)
+                    for i in range(self.num_index_shards)
                 ]
             if self.slot < 0:
                 self.slot = ray.get(
@@ -224,7 +224,10 @@ class EngineReporter:
             )
             add = np.fromiter(self._held, np.uint64) if full else np.array(added, np.uint64)
             rm = np.array([] if full else removed, np.uint64)
-            a_sh, r_sh = index_shard_of(add, self.num_shards), index_shard_of(rm, self.num_shards)
+            a_sh, r_sh = (
+                index_shard_of(add, self.num_index_shards),
+                index_shard_of(rm, self.num_index_shards),
+            )
             refs = [
                 h.engine_update.remote(info, add[a_sh == s], rm[r_sh == s], full)
                 for s, h in enumerate(self._handles)

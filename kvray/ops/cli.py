@@ -146,7 +146,7 @@ def status(
     store = _run(kvray.connect, namespace, cfg)
     try:
         if watch:
-            from kvray.watch import watch as watch_view
+            from kvray.ops.watch import watch as watch_view
 
             _run(watch_view, store, console, interval_s=interval)
             return
@@ -218,8 +218,8 @@ def monitor(
     import signal
     import threading
 
-    from kvray import monitor as monitor_mod
     from kvray.cluster import ensure_ray
+    from kvray.ops import monitor as monitor_mod
 
     if scrape_interval is not None and not 0.1 <= scrape_interval <= 3600:
         _fail(f"invalid --scrape-interval {scrape_interval!r}: expected 0.1 to 3600 seconds")
@@ -255,7 +255,7 @@ def demo(
     keep_dir: Annotated[bool, typer.Option(help="keep the model directory")] = False,
 ) -> None:
     """The main job: a local Ray cluster, a small random model, vLLM with kvray, two rounds."""
-    from kvray import demo as demo_mod
+    from kvray.ops import demo as demo_mod
 
     _run(
         demo_mod.run,
@@ -354,7 +354,7 @@ def _serve_until_interrupted(
     from contextlib import ExitStack
 
     import kvray
-    from kvray.serve import build_app
+    from kvray.serving import build_app
     from kvray.serving.ingress import serving
 
     if app_args.get("pd") is None:

@@ -144,8 +144,8 @@ class EngineView:
     """A client's copy of the engine tier, from the change feed (one writer thread, readers on
     any thread: see :class:`~kvray.meta.idtable.IdTable`)."""
 
-    def __init__(self, num_shards: int) -> None:
-        self.num_shards = num_shards
+    def __init__(self, num_index_shards: int) -> None:
+        self.num_index_shards = num_index_shards
         self.table = _table()
 
     def __len__(self) -> int:
@@ -166,11 +166,11 @@ class EngineView:
         self.table.delete(ids[gone])
         self.table.upsert(ids[~gone], mask=masks[~gone])
 
-    def load_shard(self, shard: int, ids: np.ndarray, masks: np.ndarray) -> None:
+    def load_index_shard(self, index_shard: int, ids: np.ndarray, masks: np.ndarray) -> None:
         """Replace one index shard's id range (built aside, then swapped in)."""
         old_ids, cols = self.table.items()
-        if self.num_shards > 1:
-            keep = index_shard_of(old_ids, self.num_shards) != shard
+        if self.num_index_shards > 1:
+            keep = index_shard_of(old_ids, self.num_index_shards) != index_shard
             ids = np.concatenate((old_ids[keep], ids))
             masks = np.concatenate((cols["mask"][keep], masks))
         self.table.load(ids, mask=masks)
