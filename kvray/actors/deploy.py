@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from kvray.actors import detached
 from kvray.actors.reconciler import Reconciler, ReconcilerActor, spawn_pool
 from kvray.cluster import ensure_ray, get_control
 from kvray.config import KVRayConfig
@@ -58,15 +59,7 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
     alive = sum(1 for n in ray.nodes() if n.get("Alive"))
     shards = cfg.index_shards or default_index_shards(alive)
     control = ReconcilerActor.options(  # type: ignore[attr-defined]
-        name=control_name(cfg.namespace),
-        namespace=RAY_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        num_cpus=0,
-        max_restarts=-1,
-        max_task_retries=-1,
-        max_concurrency=100,
-        enable_task_events=False,  # pings of every pool, every health_check_interval_s
+        **detached(control_name(cfg.namespace), 100)
     ).remote(cfg, shards, run=True)
     wait = max(cfg.get_timeout_s, 60.0)
     deadline = time.monotonic() + wait

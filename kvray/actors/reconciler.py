@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from kvray.actors import detached
 from kvray.actors.index import IndexShardActor
 from kvray.actors.pool import BlockPoolActor
 from kvray.actors.publisher import publish_interval
@@ -90,15 +91,7 @@ class Reconciler:
     def _index_shard(self, i: int) -> IndexHandle:
         """Get or create index shard ``i`` (detached, restarted by Ray if it crashes)."""
         return IndexShardActor.options(  # type: ignore[attr-defined]
-            name=index_name(self._ns, i),
-            namespace=RAY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_restarts=-1,
-            max_task_retries=-1,
-            max_concurrency=1000,
-            enable_task_events=False,  # long polls and pool batches: hundreds a second
+            **detached(index_name(self._ns, i), 1000)  # long polls and pool batches
         ).remote(self._cfg, i, self._k, run=True)
 
     async def _loop(self) -> None:
@@ -299,15 +292,12 @@ def spawn_pool(
                 pending = max(1 << 20, min(disk.max_pending_bytes, capacity // 4))
                 disk = dataclasses.replace(disk, max_pending_bytes=pending)
     return BlockPoolActor.options(  # type: ignore[attr-defined]
-        name=pool_name(namespace, node_id),
-        namespace=RAY_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        num_cpus=0,
-        max_concurrency=16,
-        max_restarts=-1,
-        enable_task_events=False,  # leases, releases and puts: a few per engine step
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        **detached(
+            pool_name(namespace, node_id),
+            16,
+            max_task_retries=0,  # Ray's default for a pool: its callers retry what they need
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        ),
     ).remote(
         namespace,
         node_id,
