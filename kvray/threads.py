@@ -14,7 +14,11 @@ If the target raises, the supervisor, on the same thread:
 
 A target that returns ends the thread (its owner stopped it, or its work is done); so does
 any exception once ``stop`` is set (the owner is closing: nothing to restart, not counted).
-``on_exit`` runs once when the thread finally ends, whatever the way. Ray-free.
+``on_exit`` runs once when the thread finally ends, whatever the way.
+
+:func:`stop_all` stops every supervised thread of the process that still runs (the threads of
+owners nobody closed: an engine's tier reporter, a router's lookup loop), bounded: what
+:func:`kvray.shutdown.before_ray_shutdown` does last. Ray-free.
 """
 
 from __future__ import annotations
@@ -27,10 +31,27 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SupervisedThread", "thread_deaths"]
+__all__ = ["SupervisedThread", "stop_all", "thread_deaths"]
 
 _deaths: Counter[str] = Counter()
 _deaths_lock = threading.Lock()
+#: Supervised threads started and not yet ended.
+_live: set[SupervisedThread] = set()
+_live_lock = threading.Lock()
+
+
+def stop_all(timeout: float) -> list[str]:
+    """Set the stop of every running supervised thread, then wait for them, ``timeout`` s in
+    all; the names of those still running after it (each logged)."""
+    with _live_lock:
+        threads = list(_live)
+    for t in threads:
+        t.stopping.set()
+    deadline = time.monotonic() + timeout
+    left = [t for t in threads if not t.join(max(0.0, deadline - time.monotonic()))]
+    for t in left:
+        logger.warning("kvray: thread %s of %s still runs after %.0f s", t.name, t.owner, timeout)
+    return [t.name for t in left]
 
 
 def thread_deaths() -> dict[str, int]:
@@ -78,7 +99,14 @@ class SupervisedThread:
 
     # ------------------------------------------------------------------ owner's side
     def start(self) -> SupervisedThread:
-        self._thread.start()
+        with _live_lock:
+            _live.add(self)
+        try:
+            self._thread.start()
+        except BaseException:
+            with _live_lock:
+                _live.discard(self)
+            raise
         return self
 
     def stop(self, timeout: float | None = 5.0) -> bool:
@@ -138,6 +166,8 @@ class SupervisedThread:
         finally:
             if self.on_exit is not None:
                 self._call(self.on_exit)
+            with _live_lock:
+                _live.discard(self)
 
     def _call(self, hook: Callable[..., None], *args: object) -> None:
         try:
