@@ -121,24 +121,24 @@ def open_ingress(host: str, port: int | None, app_name: str) -> Ingress:
     port = DEFAULT_PORT if port is None else port
     if _serves(running, host, port):
         return Ingress(host, port, started=False)
-    where = f"http://{r_host}:{r_port}" if r_host is not None else "no HTTP proxy"
+    where = f"at http://{r_host}:{r_port}" if r_host is not None else "off"
     others = _apps(exclude=app_name)
     if others:
+        there = f"pass --port {r_port} --host {r_host} to serve there, or " if r_host else ""
         raise KVRayError(
-            f"kvray serve: Ray Serve already runs on this cluster with its HTTP proxy at "
-            f"{where} (applications: {', '.join(others)}) and cannot also listen on "
-            f"{host}:{port}: pass --port {r_port} (and --host {r_host}) to serve there, or "
-            "stop those applications (`serve shutdown`)"
+            f"kvray serve: Ray Serve already runs on this cluster with its HTTP proxy {where} "
+            f"(applications: {', '.join(others)}) and cannot also listen on {host}:{port}: "
+            f"{there}stop those applications (`serve shutdown`)"
         )
     # An idle Serve (no application): nothing is lost by restarting it where asked.
-    logger.info("kvray serve: restarting Ray Serve's idle proxy (%s) at %s:%d", where, host, port)
+    logger.info("kvray serve: restarting Ray Serve (idle, proxy %s) at %s:%d", where, host, port)
     stop_serve()
     serve.start(http_options={"host": host, "port": port})
     return Ingress(
         host,
         port,
         started=True,
-        note=f"Ray Serve ran idle with its HTTP proxy at {where}; restarted at {host}:{port}",
+        note=f"Ray Serve ran idle with its HTTP proxy {where}; restarted at {host}:{port}",
     )
 
 
