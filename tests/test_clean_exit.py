@@ -44,6 +44,7 @@ print("get", all(int(a[0]) == i for i, a in enumerate(got)))
 """
 
 
+@pytest.mark.slow
 def test_a_script_that_used_kvray_exits_0_every_time(
     ray_cluster: object, kvray_ns: str, tmp_path: Path
 ) -> None:

@@ -29,6 +29,8 @@ from ray_fixtures import free_port
 
 from kvray.errors import KVRayError
 
+pytestmark = [pytest.mark.slow]  # Ray Serve started and stopped four times
+
 APP = "kvray-portcheck"
 OTHER = "someone-else"
 MODEL = "tiny-port"
