@@ -11,8 +11,7 @@ Importing ``kvray`` loads only the Ray-free core (config, errors, keys): ``start
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvray.config import ConfigError, KVRayConfig
 from kvray.errors import (
@@ -23,6 +22,7 @@ from kvray.errors import (
     StoreUnavailableError,
 )
 from kvray.keys import LayoutFingerprint, make_keys
+from kvray.lazy import lazy_attributes
 from kvray.meta.messages import PutResult
 
 if TYPE_CHECKING:
@@ -40,17 +40,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # resolved once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes("kvray", _LAZY, globals())
 
 
 __all__ = [

@@ -21,8 +21,7 @@ import this package.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvray.lazy import lazy_attributes
 
 __all__ = [
     "KVRayConnector",
@@ -41,12 +40,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvray.connector' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_attributes("kvray.connector", _WHERE, globals())

@@ -51,13 +51,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = [
-    "KVRayConnector",
-    "KVRayConnectorMetadata",
-    "KVRayConnectorScheduler",
-    "KVRayConnectorWorker",
-    "KVRayWorkerMetadata",
-]
+__all__ = ["KVRayConnector"]
 
 logger = logging.getLogger(__name__)
 
