@@ -239,6 +239,11 @@ class KVRayConfig:
     #: waits per layer in ``wait_for_layer_load``; ``async`` loads them in the background and
     #: reports them through ``finished_recving`` (the request waits a step).
     load_mode: str = "sync"
+    #: Connector: load only the part of a hit whose measured load time beats recomputing it
+    #: (:mod:`kvray.connector.pricing`, issue 32); the rest is left to vLLM. Off: every hit is
+    #: loaded (the costs are still measured and published for routers). Off by default until
+    #: the serving matrix shows it never loses; on a tiny CPU model it declines most hits.
+    price_loads: bool = False
     #: Connector: bytes of reusable staging buffers per worker for saves and loads.
     staging_bytes: int = 256 << 20
     #: Connector: blocks a request fills while it decodes are stored once this many are full
@@ -300,7 +305,7 @@ class KVRayConfig:
         v = self.decode_store_blocks
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
             raise ConfigError("decode_store_blocks", v, "expected a whole number in [1, 4096]")
-        for name in ("verify_checksums", "auto_start", "engine_tier"):
+        for name in ("verify_checksums", "auto_start", "engine_tier", "price_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "expected true or false")
         if self.load_mode not in _LOAD_MODES:

@@ -47,7 +47,7 @@ def _kv_of(h: Any, req_id: str) -> list[int]:
 def test_a_slow_pool_is_measured_and_its_hit_recomputed(
     harness_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = harness_factory(load_mode="sync", load_timeout_s=10.0)  # the slow load completes
+    h = harness_factory(load_mode="sync", load_timeout_s=10.0, price_loads=True)  # completes
     sc = h.sconn
     p = prompt(6 * BLOCK_SIZE + 4, seed=7)
     h.add(p)
@@ -96,7 +96,7 @@ def test_a_slow_pool_is_measured_and_its_hit_recomputed(
 
 def test_cold_start_loads_every_hit(harness_factory: Any) -> None:
     """No estimate yet: today's behaviour exactly (the hit is loaded, nothing declined)."""
-    h = harness_factory(load_mode="sync")
+    h = harness_factory(load_mode="sync", price_loads=True)
     p = prompt(3 * BLOCK_SIZE + 4, seed=8)
     h.add(p)
     h.settle()
@@ -144,7 +144,7 @@ def test_engine_tokens_identical_when_a_slow_pool_is_recomputed(
             want = token_ids(generate(plain, prompts))
         finally:
             close_llm(plain)
-        ktc = kvray_transfer_config(kvray_ns, load_timeout_s=10.0)
+        ktc = kvray_transfer_config(kvray_ns, load_timeout_s=10.0, price_loads=True)
         llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
         try:
             sched = connector_of(llm).scheduler

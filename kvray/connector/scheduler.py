@@ -144,6 +144,8 @@ class KVRayConnectorScheduler:
         self.cross_tp_hit_tokens = 0
         self.lookups = 0
         #: The engine's measured costs; hits are loaded only where the load pays (issue 32).
+        #: Hits are cut to what pays to load (config ``price_loads``); else all loaded.
+        self.price_loads = config.price_loads
         self.pricing = Pricing(
             self.block_size,
             world_size,
@@ -189,7 +191,7 @@ class KVRayConnectorScheduler:
                 return _hit_tokens(request, hit_blocks * bs) - num_computed_tokens, self._load_async
         self.lookups += 1
         hit_blocks, state.hit_grouping = self._find_hit(hashes)
-        if hit_blocks > start and self.pricing.warm:
+        if hit_blocks > start and self.price_loads and self.pricing.warm:
             hit_blocks = self._priced(state, hashes, start, hit_blocks)
         if hit_blocks <= start:
             return 0, False
