@@ -46,7 +46,7 @@ def stop_all(timeout: float) -> list[str]:
     with _live_lock:
         threads = list(_live)
     for t in threads:
-        t.stopping.set()
+        t.request_stop()
     deadline = time.monotonic() + timeout
     left = [t for t in threads if not t.join(max(0.0, deadline - time.monotonic()))]
     for t in left:
@@ -77,6 +77,7 @@ class SupervisedThread:
         on_restart: Callable[[BaseException], None] | None = None,
         on_death: Callable[[BaseException], None] | None = None,
         on_exit: Callable[[], None] | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         if restarts < 0:
             raise ValueError(f"SupervisedThread: restarts must be >= 0, got {restarts}")
@@ -90,6 +91,9 @@ class SupervisedThread:
         self.on_restart = on_restart
         self.on_death = on_death
         self.on_exit = on_exit
+        #: Called (from the stopping thread) after the stop is set, for a target that waits on
+        #: something else than :attr:`stopping` (an event loop's ``run_forever``).
+        self.wake = wake
         #: Times the target raised.
         self.deaths = 0
         #: The last exception the target raised.
@@ -113,8 +117,17 @@ class SupervisedThread:
         """Set the stop event and wait up to ``timeout`` s for the thread to end; True if it
         did (or never started). The target must watch :attr:`stopping` (or its owner's own
         stop, passed as ``stop``)."""
-        self.stopping.set()
+        self.request_stop()
         return self.join(timeout)
+
+    def request_stop(self) -> None:
+        """Set the stop event (and wake the target, if it said how); does not wait."""
+        self.stopping.set()
+        if self.wake is not None:
+            try:
+                self.wake()
+            except Exception:  # a loop already closed: nothing left to wake
+                logger.debug("kvray: waking %s of %s failed", self.name, self.owner, exc_info=True)
 
     def join(self, timeout: float | None = None) -> bool:
         t = self._thread

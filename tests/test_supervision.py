@@ -381,3 +381,15 @@ def test_close_disk_and_watch_refuse_an_unbounded_wait(pool: BlockPool) -> None:
         with pytest.raises(kvray.ConfigError, match="timeout_s="):
             watch(None, Console(), timeout_s=bad, frames=1)  # type: ignore[arg-type]
     assert pool.close_disk(timeout=0) == 0  # the tier is not started: nothing deleted
+
+
+def test_a_routers_lookup_loop_stops_when_asked() -> None:
+    """The router's lookup thread runs an event loop, not a loop over its stop event: asking
+    it to stop (what happens before Ray shuts down) wakes the loop, and it ends at once rather
+    than holding the exit for the whole bound."""
+    from kvray.serving.routeview import LookupLoop
+
+    loop = LookupLoop("test router")
+    assert loop._thread.is_alive()
+    assert loop._thread.stop(10.0), "still running after the bound"  # what stop_all asks too
+    assert loop.deaths == 0

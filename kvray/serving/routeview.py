@@ -154,7 +154,11 @@ class LookupLoop:
     def __init__(self, owner: str) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = SupervisedThread(
-            self._loop.run_forever, "kvray-router-lookup", owner, restarts=3
+            self._loop.run_forever,
+            "kvray-router-lookup",
+            owner,
+            restarts=3,
+            wake=lambda: self._loop.call_soon_threadsafe(self._loop.stop),
         ).start()
 
     @property
