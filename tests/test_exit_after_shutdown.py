@@ -37,6 +37,8 @@ pytest.importorskip("vllm")
 
 from kvray.testing.engines import build_tiny_llama
 
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]  # 10 subprocess sessions with vLLM
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 10
 #: Runs that also build vLLM's connector: all (with two of ten, 1 run of 10 failed before).
