@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvray.meta.eviction import POLICIES
+
 __all__ = [
     "MAX_BYTES",
     "MIN_CAPACITY",
@@ -176,7 +178,6 @@ def check_namespace(value: object, field_name: str = "namespace") -> str:
     return value
 
 
-_EVICTION_POLICIES = ("lru", "probation")  # kvray.meta.eviction.POLICIES
 _LOAD_MODES = ("sync", "layerwise", "async")
 #: The size fields and the least each may be (``disk_capacity``: see ``_check_disk``).
 _SIZE_FIELDS = {
@@ -277,10 +278,8 @@ class KVRayConfig:
         check_namespace(self.namespace)
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise ConfigError("address", self.address, "expected auto, local or HOST:PORT")
-        if self.eviction_policy not in _EVICTION_POLICIES:
-            raise ConfigError(
-                "eviction_policy", self.eviction_policy, f"choose one of {_EVICTION_POLICIES}"
-            )
+        if self.eviction_policy not in POLICIES:
+            raise ConfigError("eviction_policy", self.eviction_policy, f"choose one of {POLICIES}")
         if self.max_inflight_put_bytes < self.segment_bytes:
             raise ConfigError(
                 "max_inflight_put_bytes",

@@ -36,8 +36,8 @@ class Closeable(Protocol):
     def close(self) -> None: ...
 
 
-#: How long :func:`close_all` waits for the threads of owners nobody closed (an engine's tier
-#: reporter is in a Ray call of at most a few seconds).
+#: How long :func:`before_ray_shutdown` waits for the threads of owners nobody closed (an
+#: engine's tier reporter is in a Ray call of at most a few seconds).
 STOP_THREADS_S = 10.0
 
 _open: dict[int, Closeable] = {}

@@ -143,9 +143,9 @@ class KVRayConnectorScheduler:
         self.hit_tokens = 0
         self.cross_tp_hit_tokens = 0
         self.lookups = 0
-        #: The engine's measured costs; hits are loaded only where the load pays (issue 32).
         #: Hits are cut to what pays to load (config ``price_loads``); else all loaded.
         self.price_loads = config.price_loads
+        #: The engine's measured costs (issue 32), published for routers either way.
         self.pricing = Pricing(
             self.block_size,
             world_size,

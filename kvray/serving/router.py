@@ -52,8 +52,6 @@ __all__ = ["KVRayRouter"]
 #: The scores a router may use: tier weights (``weights``) or the predicted time to first
 #: token from the engines' published costs (``ttft``; the weights until any engine published).
 SCORES = ("weights", "ttft")
-#: Models whose block size a router remembers.
-MAX_MODELS = 64
 
 #: Decision reasons counted (metric ``kvray_router_decisions``).
 REASONS = (
@@ -89,7 +87,6 @@ class KVRayRouter(RequestRouter):
         if score not in SCORES:
             raise ConfigError("score", score, f"expected one of {SCORES}")
         self._score = score
-        self._block_sizes: dict[str, int] = {}
         self._namespace = namespace
         self._weights = Weights.of(weights)
         self._inflight = InFlight(inflight_s)
@@ -136,9 +133,6 @@ class KVRayRouter(RequestRouter):
             tokens = await self._tokenizer.token_ids(source.request)
         if not tokens:
             return "no_prompt"
-        if len(self._block_sizes) >= MAX_MODELS:
-            self._block_sizes.clear()
-        self._block_sizes[source.model or ""] = hasher.info.block_size
         if self._store is None:
             self._store = shared_store(self._namespace)
         return PromptTiers.of(self._store, hasher, tokens, source.cache_salt)
@@ -185,9 +179,8 @@ class KVRayRouter(RequestRouter):
             for r in candidate_replicas
         ]
         chosen = None
-        block_size = self._block_sizes.get(source.model or "") if source is not None else None
-        if costs and block_size:
-            chosen = pick_ttft(candidate_replicas, tiers.total, cands, block_size)
+        if costs and tiers.block_size:
+            chosen = pick_ttft(candidate_replicas, tiers.total, cands, tiers.block_size)
         if chosen is None:  # the weights: asked for, or no engine published estimates yet
             chosen = pick(candidate_replicas, tiers.total, cands, self._weights)
         ranked, reason = chosen

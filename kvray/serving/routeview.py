@@ -130,6 +130,8 @@ class PromptTiers:
     anywhere: int
     ids: tuple[int, ...] = ()
     routed: dict[str, int] = field(default_factory=dict)
+    #: Tokens per block of the engines the prompt was keyed for.
+    block_size: int = 0
 
     @classmethod
     def of(
@@ -137,14 +139,21 @@ class PromptTiers:
     ) -> PromptTiers:
         hashes = hasher.block_hashes(tokens, salt)
         if not hashes:
-            return cls(0, {}, {}, 0)
+            return cls(0, {}, {}, 0, block_size=hasher.info.block_size)
         view = store.local_view()
         per_shard = hasher.keys_per_shard(hashes)
         by_node = held_blocks_by_node(store.prefix_by_node, per_shard)
         anywhere = min(view.lookup(key_ids(keys)) for keys in per_shard)
         ids = engine_ids(hashes)
         engine = view.engine_prefix(ids)
-        return cls(len(hashes), engine, by_node, anywhere, tuple(ids.tolist()))
+        return cls(
+            len(hashes),
+            engine,
+            by_node,
+            anywhere,
+            tuple(ids.tolist()),
+            block_size=hasher.info.block_size,
+        )
 
 
 class LookupLoop:
