@@ -8,11 +8,13 @@ installed (the kernel tests run on machines without it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import ray
@@ -21,7 +23,7 @@ from ray.cluster_utils import Cluster
 import kvray
 from kvray.testing.cluster import simulated_cluster
 
-__all__ = ["kvray_ns", "ray_cluster"]
+__all__ = ["kvray_ns", "ray_cluster", "started_namespace"]
 
 
 OBJECT_STORE_BYTES = 256 << 20
@@ -91,12 +93,20 @@ def ray_cluster() -> Iterator[Cluster]:
                 os.environ[name] = old
 
 
-@pytest.fixture
-def kvray_ns(ray_cluster: Cluster) -> Iterator[str]:
-    """A fresh kvray namespace, started for one test and stopped after it."""
-    ns = f"t{uuid.uuid4().hex[:10]}"
-    kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
+@contextlib.contextmanager
+def started_namespace(prefix: str, **fields: Any) -> Iterator[str]:
+    """A fresh kvray namespace (``prefix`` and 10 hex digits) started with ``fields`` (by
+    default 64 MiB a pool and health checks every 0.5 s), stopped when the block ends."""
+    ns = f"{prefix}{uuid.uuid4().hex[:10]}"
+    kvray.start(namespace=ns, **{"capacity": "64MiB", "health_check_interval_s": 0.5, **fields})
     try:
         yield ns
     finally:
         kvray.stop(ns)
+
+
+@pytest.fixture
+def kvray_ns(ray_cluster: Cluster) -> Iterator[str]:
+    """A fresh kvray namespace, started for one test and stopped after it."""
+    with started_namespace("t") as ns:
+        yield ns

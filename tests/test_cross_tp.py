@@ -12,13 +12,13 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from ray_fixtures import started_namespace
 
 from kvray.connector.paged import PagedCopier
 from kvray.kernels import BlockMover, StagingPool, describe_kv_caches
@@ -395,14 +395,8 @@ def in_process() -> Iterator[None]:
 
 @pytest.fixture
 def namespace(ray_cluster: Any) -> Iterator[str]:
-    import kvray
-
-    ns = f"xtp{uuid.uuid4().hex[:8]}"
-    kvray.start(namespace=ns, capacity="128MiB", health_check_interval_s=0.5)
-    try:
+    with started_namespace("xtp", capacity="128MiB") as ns:
         yield ns
-    finally:
-        kvray.stop(ns)
 
 
 @pytest.mark.vllm

@@ -23,15 +23,13 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-import kvray
+from ray_fixtures import started_namespace
 
 pytest.importorskip("vllm")
 
@@ -94,12 +92,8 @@ print("shut down")
 
 @pytest.fixture(scope="module")
 def exit_ns(ray_cluster: Any) -> Iterator[str]:
-    ns = f"exit{uuid.uuid4().hex[:8]}"
-    kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
-    try:
+    with started_namespace("exit") as ns:
         yield ns
-    finally:
-        kvray.stop(ns)
 
 
 def test_a_session_that_shuts_ray_down_itself_exits_0_every_time(

@@ -23,6 +23,7 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray_fixtures import started_namespace
 
 import kvray
 from kvray.actors.leases import Leases
@@ -212,12 +213,8 @@ BAD_PUTS: dict[str, tuple[Callable[[], tuple[Any, Any]], str]] = {
 
 @pytest.fixture(scope="module")
 def bad_input_ns(ray_cluster: Cluster) -> Iterator[str]:
-    ns = f"bad{uuid.uuid4().hex[:8]}"
-    kvray.start(namespace=ns, capacity="16MiB", health_check_interval_s=0.5)
-    try:
+    with started_namespace("bad", capacity="16MiB") as ns:
         yield ns
-    finally:
-        kvray.stop(ns)
 
 
 @pytest.mark.parametrize("case", list(BAD_PUTS), ids=list(BAD_PUTS))

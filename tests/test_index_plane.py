@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray_fixtures import started_namespace
 
 import kvray
 from kvray.meta.holders import PLACEMENT_BASE
@@ -122,12 +123,8 @@ def test_an_id_collision_never_serves_another_keys_bytes(
 
 @pytest.fixture
 def sharded_ns(ray_cluster: Cluster) -> Iterator[str]:
-    ns = f"sh{uuid.uuid4().hex[:8]}"
-    kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5, index_shards=3)
-    try:
+    with started_namespace("sh", index_shards=3) as ns:
         yield ns
-    finally:
-        kvray.stop(ns)
 
 
 def test_sharded_index_rebuilds_one_shard_and_purges_a_lost_node(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray_fixtures import started_namespace
 
 import kvray
 from kvray.connector.keyspace import EngineKeySpace
@@ -81,12 +81,8 @@ def _put_rank(ns: str, keys: list[bytes], rank: int, fill: list[int]) -> int:
 
 @pytest.fixture
 def two_index_shards(ray_cluster: Cluster) -> Iterator[str]:
-    ns = f"pl{uuid.uuid4().hex[:8]}"
-    kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5, index_shards=2)
-    try:
+    with started_namespace("pl", index_shards=2) as ns:
         yield ns
-    finally:
-        kvray.stop(ns)
 
 
 def test_loads_in_one_step_read_split_blocks_from_the_right_pools(two_index_shards: str) -> None:

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray_fixtures import started_namespace
 
 pytest.importorskip("vllm")
 
 import numpy as np
 import torch
 
-import kvray
 from kvray.config import ConfigError
 from kvray.testing.engines import (
     BLOCK_SIZE,
@@ -107,12 +107,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def module_ns(ray_cluster: Any) -> Iterator[str]:
-    ns = f"mc{uuid.uuid4().hex[:8]}"
-    kvray.start(namespace=ns, capacity="128MiB", health_check_interval_s=0.5)
-    try:
+    with started_namespace("mc", capacity="128MiB") as ns:
         yield ns
-    finally:
-        kvray.stop(ns)
 
 
 @pytest.fixture(scope="module")
