@@ -102,6 +102,35 @@ def belady(reqs: list[list[int]], cap: int) -> float:
     return hit / tot
 
 
+def lru_oracle(reqs: list[list[int]], cap: int, dead: bool) -> float:
+    """A ceiling for a predictor, not a policy: one LRU of ``cap`` blocks that never admits a
+    block with no later use (perfect admission) and, with ``dead``, also drops a held block
+    at its last use (perfect dead-block prediction). Each request's blocks are stored tail
+    first, so a chain's head is the most recent."""
+    last: dict[int, int] = {}
+    for i, req in enumerate(reqs):
+        for x in req:
+            last[x] = i
+    c: OrderedDict[int, None] = OrderedDict()
+    hit = tot = 0
+    for i, req in enumerate(reqs):
+        hit += _prefix(req, c)
+        tot += len(req)
+        for x in reversed(req):
+            if last[x] == i:  # no later use
+                if dead:
+                    c.pop(x, None)
+                elif x in c:
+                    c.move_to_end(x)
+            elif x in c:
+                c.move_to_end(x)
+            else:
+                c[x] = None
+                if len(c) > cap:
+                    c.popitem(last=False)
+    return hit / tot
+
+
 def unbounded(reqs: list[list[int]]) -> float:
     seen: set[int] = set()
     hit = tot = 0
@@ -286,6 +315,10 @@ def main() -> None:
     p.add_argument("--concurrent", action="store_true",
                    help="each engine runs its share at once, not one at a time")  # fmt: skip
     p.add_argument("--offline-only", action="store_true")
+    p.add_argument("--per-block", action="store_true",
+                   help="also simulate each policy with one entry a block")  # fmt: skip
+    p.add_argument("--ceilings", action="store_true",
+                   help="also LRU with perfect admission / dead-block prediction")  # fmt: skip
     a = p.parse_args()
     reqs = load_trace(a.trace, a.requests)
     half = len(reqs) // 2
@@ -303,6 +336,11 @@ def main() -> None:
         row = {"unbounded": ub, "belady": belady(reqs, cap), "global_lru": global_lru(reqs, cap)}
         for pol in policies:
             row[f"sim_{pol}"] = simulate(reqs, cap, pol).hit_rate
+            if a.per_block:  # every block an entry: what the segment granularity costs
+                row[f"sim_{pol}_blocks"] = simulate(reqs, cap, pol, per_block=True).hit_rate
+        if a.ceilings:
+            row["lru_oracle_admit"] = lru_oracle(reqs, cap, dead=False)
+            row["lru_oracle_dead"] = lru_oracle(reqs, cap, dead=True)
         off[cap] = row
         print(f"offline  {cap:>6} blocks: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()),
               flush=True)  # fmt: skip
