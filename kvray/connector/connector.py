@@ -22,12 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvray.config import KVRayConfig
 from kvray.connector.attach import close_store, open_store
-from kvray.connector.keyspace import EngineKeySpace, build_key_space
+from kvray.connector.groups import build_groups, deciding
+from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.manager import KVRayCacheManager
 from kvray.connector.metadata import KVRayConnectorMetadata, KVRayWorkerMetadata
 from kvray.connector.policy import require_recompute_policy
@@ -123,8 +125,12 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
     )
 
 
-class KVRayConnector(KVConnectorBase_V1):
-    """Shares prefix KV blocks between vLLM instances anywhere on a Ray cluster."""
+class KVRayConnector(KVConnectorBase_V1, SupportsHMA):
+    """Shares prefix KV blocks between vLLM instances anywhere on a Ray cluster.
+
+    A ``SupportsHMA`` connector: with vLLM's hybrid KV cache manager each KV cache group is
+    keyed and stored by its kind (:mod:`kvray.connector.groups`); kinds kvray cannot store are
+    refused when the engine starts."""
 
     _cache_hit_source = (
         CacheHitSource.HOST
@@ -142,7 +148,10 @@ class KVRayConnector(KVConnectorBase_V1):
         require_recompute_policy(self, vllm_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = KVRayConfig.from_dict(extra)
-        self.key_space: EngineKeySpace = build_key_space(self.config, vllm_config, kv_cache_config)
+        self.groups = build_groups(self.config, vllm_config, kv_cache_config)
+        #: The key space of the group that decides hits (the one group of most models).
+        self.key_space: EngineKeySpace = deciding(self.groups).key_space
+        hybrid = len(self.groups) > 1
         # Only the scheduler answers lookups: it alone subscribes to the index's feed.
         is_scheduler = role == KVConnectorRole.SCHEDULER
         # Checked before joining the cluster, so a refused start leaves nothing open.
@@ -164,12 +173,19 @@ class KVRayConnector(KVConnectorBase_V1):
                 self.store,
                 events=bool(events is not None and events.enable_kv_cache_events),
             )
+            main = deciding(self.groups).index
             self.connector_scheduler = KVRayConnectorScheduler(
                 self.config,
                 self.key_space,
                 self.manager,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                 local_pool=self.store.local_pool,
+                groups=self.groups if hybrid else (),
+                managers={
+                    g.index: KVRayCacheManager(g.key_space, self.store)
+                    for g in self.groups
+                    if hybrid and g.index != main
+                },
             )
             _publish_key_space(self.config, self.key_space, vllm_config)
         else:
@@ -179,6 +195,7 @@ class KVRayConnector(KVConnectorBase_V1):
                 self.store,
                 tp_rank=tp_rank,
                 layout_hint=layout_hint,
+                groups=self.groups,
             )
         logger.info(
             "kvray connector (%s) in namespace %r, load_mode=%s",
@@ -300,6 +317,11 @@ class KVRayConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 

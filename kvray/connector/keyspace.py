@@ -40,7 +40,7 @@ from kvray.meta.ids import key_ids
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +201,9 @@ def build_key_space(
     config: KVRayConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> EngineKeySpace:
     """Derive the namespace from vLLM's config; raises on layouts kvray cannot key safely."""
-    from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise NotImplementedError("kvray connector: pipeline parallelism is not supported yet")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
@@ -213,8 +211,23 @@ def build_key_space(
             "kvray connector: only models with one full-attention KV cache group are supported "
             f"(got {[type(g.kv_cache_spec).__name__ for g in groups]})"
         )
-    spec = groups[0].kv_cache_spec
-    num_layers = len(groups[0].layer_names)
+    return group_key_space(config, vllm_config, groups[0].kv_cache_spec, len(groups[0].layer_names))
+
+
+def group_key_space(
+    config: KVRayConfig,
+    vllm_config: VllmConfig,
+    spec: AttentionSpec,
+    num_layers: int,
+    extra_tags: Sequence[str] = (),
+) -> EngineKeySpace:
+    """The key space of the layers of one attention KV cache group (``extra_tags``: what else
+    tells this group's blocks apart, for the groups of a hybrid model; none for one group)."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise NotImplementedError("kvray connector: pipeline parallelism is not supported yet")
     cache = vllm_config.cache_config
     model_cfg = vllm_config.model_config
     use_mla = bool(getattr(model_cfg, "use_mla", False))
@@ -242,7 +255,11 @@ def build_key_space(
         block_size=cache.block_size,
         hash_algo=hash_algo,
         device=str(current_platform.device_type),
-        layout_tags=[str(getattr(cache, "kv_cache_layout", None)), type(spec).__name__],
+        layout_tags=[
+            str(getattr(cache, "kv_cache_layout", None)),
+            type(spec).__name__,
+            *extra_tags,
+        ],
         total_heads=1 if use_mla else int(model_cfg.get_total_num_kv_heads()),
         rank_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),

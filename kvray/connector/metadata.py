@@ -53,6 +53,8 @@ class LoadSpec:
     #: its own: placement codes are numbered per index shard (and per handoff), so a code
     #: means nothing outside the plan that resolved it.
     placements: list[tuple[int, ...]] = field(default_factory=list)
+    #: The KV cache group (vLLM's index) the blocks belong to (0: the one group).
+    group: int = 0
 
     def slots(self, shard: int) -> list[int]:
         """The pool slot holding shard ``shard`` of each block (-1: unknown)."""
@@ -74,6 +76,8 @@ class StoreSpec:
     #: With ``finish``: report ``finished_sending`` only once every put of the request is
     #: owned by a pool (a prefill handing its blocks to a remote decode), not once gathered.
     hold: bool = False
+    #: The KV cache group (vLLM's index) the blocks belong to (0: the one group).
+    group: int = 0
 
 
 @dataclass

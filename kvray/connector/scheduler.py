@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvray.config import KVRayConfig
+from kvray.connector.groups import FULL, CacheGroup, deciding
 from kvray.connector.handoff import (
     HANDOFF_WAIT_S,
     Handoff,
@@ -66,17 +67,28 @@ def _hit_tokens(request: Request, hit_end: int) -> int:
     return min(hit_end, request.num_tokens - 1)
 
 
+#: vLLM's null block (its block pool's first): a sliding-window block vLLM freed or skipped.
+NULL_BLOCK_ID = 0
+
+
 @dataclass
 class _RequestState:
     request: Request
-    #: The request's current paged-cache block ids (single attention group).
-    block_ids: list[int] = field(default_factory=list)
-    #: Blocks [0, n) are in kvray, being stored, or were hits: never planned again.
+    #: The request's current paged-cache block ids, one list per KV cache group.
+    block_ids: tuple[list[int], ...] = ([],)
+    #: Full-attention blocks [0, n) are in kvray, being stored, or were hits: never planned
+    #: again.
     num_planned_blocks: int = 0
     #: Locally computed tokens the last ``get_num_new_matched_tokens`` was told about.
     num_local_tokens: int = 0
-    load_job: JobId | None = None
+    #: The load of its hit (one job per group), until every rank reported it.
+    load_jobs: set[JobId] = field(default_factory=set)
     load_is_async: bool = False
+    #: Sliding-window groups: the block counts a later hit can end at (the window before each
+    #: is stored once computed), and the blocks planned so far, per group.
+    anchors: set[int] = field(default_factory=set)
+    window_planned: dict[int, set[int]] = field(default_factory=dict)
+    prompt_anchored: bool = False
     #: The grouping the last lookup found the hit in (the next load reads it).
     hit_grouping: int = 0
     #: A prefill's handoff this (decode) request loads from (:mod:`.handoff`), once read.
@@ -101,6 +113,9 @@ class _Job:
     #: For KV events: the tokens of the stored blocks and the parent hash.
     token_ids: list[int] = field(default_factory=list)
     parent_hash: bytes | None = None
+    #: The KV cache group (vLLM's index) and, for sliding-window stores, the block indices.
+    group: int = 0
+    indices: list[int] = field(default_factory=list)
 
 
 class KVRayConnectorScheduler:
@@ -114,10 +129,21 @@ class KVRayConnectorScheduler:
         *,
         world_size: int,
         local_pool: str = "",
+        groups: tuple[CacheGroup, ...] = (),
+        managers: dict[int, CacheManager] | None = None,
     ) -> None:
+        """``groups``/``managers``: a hybrid model's KV cache groups and a manager for each
+        (vLLM's group index); none for one group (``key_space`` and ``manager`` are it)."""
         self.config = config
         self.key_space = key_space
         self.manager = manager
+        if not groups:
+            groups = (CacheGroup(0, FULL, key_space, ()),)
+        self.groups = groups
+        self._main = deciding(groups).index
+        self.managers: dict[int, CacheManager] = {**(managers or {}), self._main: manager}
+        self._full = [g for g in groups if not g.windowed]
+        self._windows = [g for g in groups if g.windowed]
         self.block_size = key_space.block_size
         self.world_size = world_size
         #: A store job never has more blocks than a worker's staging pool holds.
@@ -133,7 +159,7 @@ class KVRayConnectorScheduler:
         #: Blocks that failed to load, not offered as hits for a while.
         self.quarantine = Quarantine()
         # Block hashes some store job is writing: other requests sharing the prefix skip them.
-        self._storing: dict[bytes, JobId] = {}
+        self._storing: dict[tuple[int, bytes], JobId] = {}
         self.counters = TransferCounters()
         self.handoffs = HandoffPlanner(
             key_space, manager.store.local_view(), local_pool, config.namespace
@@ -181,7 +207,7 @@ class KVRayConnectorScheduler:
         if max_blocks <= start:
             return 0, False
         hashes = list(request.block_hashes[:max_blocks])
-        if not state.handoff_read:  # a prefill's params: load from where they say, at once
+        if not state.handoff_read and not self._windows:  # a prefill's: load where they say
             state.handoff_read = True
             state.handoff = self.handoffs.read(request.kv_transfer_params, request.block_hashes)
         if state.handoff is not None:
@@ -193,10 +219,47 @@ class KVRayConnectorScheduler:
         hit_blocks, state.hit_grouping = self._find_hit(hashes)
         if hit_blocks > start and self.price_loads and self.pricing.warm:
             hit_blocks = self._priced(state, hashes, start, hit_blocks)
+        if self._windows and hit_blocks > start:
+            stored = hit_blocks
+            hit_blocks = self._window_hit(request, hashes, start, hit_blocks, state.hit_grouping)
+            if hit_blocks < stored:  # the next request sharing this prefix stops there too
+                state.anchors.add(stored)
         if hit_blocks <= start:
             return 0, False
         num_tokens = _hit_tokens(request, hit_blocks * bs) - num_computed_tokens
         return num_tokens, self._load_async
+
+    def _window_hit(
+        self, request: Request, hashes: list[bytes], start: int, end: int, grouping: int
+    ) -> int:
+        """Where a hit of full-attention blocks [start, end) stops so that every
+        sliding-window group holds the blocks it needs before the hit's end (``start``: none)."""
+        present = {
+            g.index: self.managers[g.index]
+            .store.local_view()
+            .contains(g.key_space.block_ids(hashes[start:end], grouping))
+            for g in self._windows
+        }
+        n = end
+        while n > start:
+            m = n
+            for g in self._windows:
+                m = min(m, self._window_end(g, request, present[g.index], start, m))
+            if m == n:
+                break
+            n = m
+        return n
+
+    def _window_end(
+        self, group: CacheGroup, request: Request, present: np.ndarray, start: int, end: int
+    ) -> int:
+        """The last hit end in (start, end] whose window of ``group`` is present."""
+        bs = self.block_size
+        for m in range(end, start, -1):
+            a = max(start, group.need_from(_hit_tokens(request, m * bs)))
+            if present[a - start : m - start].all():
+                return m
+        return start
 
     def _priced(self, state: _RequestState, hashes: list[bytes], start: int, end: int) -> int:
         """Where the hit of blocks [start, end) should stop: the blocks whose load beats
@@ -217,7 +280,7 @@ class KVRayConnectorScheduler:
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _RequestState(request)
-        state.block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = tuple(list(ids) for ids in blocks.get_block_ids())
         if not state.seen:
             state.seen = True
             left = request.num_tokens - state.num_local_tokens - num_external_tokens
@@ -238,30 +301,45 @@ class KVRayConnectorScheduler:
             handoff = None
             plan = self.manager.prepare_load(hashes, state.hit_grouping)
         is_async = self._load_async
-        job_id = next(self._job_ids)
-        self._new_loads[job_id] = LoadSpec(
-            req_id=request.request_id,
-            block_ids=state.block_ids[first:last],
-            block_hashes=hashes,
-            locs=plan.locs,
-            is_async=is_async,
-            grouping=state.hit_grouping or self.key_space.num_shards,
-            wait_s=HANDOFF_WAIT_S if handoff is not None else 0.0,
-            pools=plan.pools,
-            placements=plan.placements,
-        )
-        self._jobs[job_id] = _Job(
-            req_id=request.request_id,
-            is_store=False,
-            first_block=first,
-            block_ids=state.block_ids[first:last],
-            block_hashes=hashes,
-            pending=self.world_size,
-        )
-        state.load_job = job_id
+        state.load_jobs = set()
+        for group in self.groups:
+            ids = state.block_ids[group.index]
+            if group.index == self._main:
+                idx, group_plan = list(range(first, last)), plan
+            else:  # a sliding window's skipped blocks are null: nothing to load into them
+                held = blocks.blocks[group.index]
+                idx = [i for i in range(first, last) if not held[i].is_null]
+                group_plan = self.managers[group.index].prepare_load(
+                    [hashes[i - first] for i in idx], state.hit_grouping
+                )
+            if not idx:
+                continue
+            job_id = next(self._job_ids)
+            self._new_loads[job_id] = LoadSpec(
+                req_id=request.request_id,
+                block_ids=[ids[i] for i in idx],
+                block_hashes=[hashes[i - first] for i in idx],
+                locs=group_plan.locs,
+                is_async=is_async,
+                grouping=state.hit_grouping or group.key_space.num_shards,
+                wait_s=HANDOFF_WAIT_S if handoff is not None else 0.0,
+                pools=group_plan.pools,
+                placements=group_plan.placements,
+                group=group.index,
+            )
+            self._jobs[job_id] = _Job(
+                req_id=request.request_id,
+                is_store=False,
+                first_block=idx[0],
+                block_ids=[ids[i] for i in idx],
+                block_hashes=[hashes[i - first] for i in idx],
+                pending=self.world_size,
+                group=group.index,
+            )
+            state.load_jobs.add(job_id)
+            if handoff is None and group.index == self._main:  # a handoff's: not a figure
+                self.pricing.planned(job_id, plan.locs, num_external_tokens)
         state.load_is_async = is_async
-        if handoff is None:  # a handoff's load waits for the prefill's puts: not a figure
-            self.pricing.planned(job_id, plan.locs, num_external_tokens)
         # Hits are not stored again; a failed load lowers this (update_connector_output).
         state.num_planned_blocks = max(state.num_planned_blocks, last)
         self.hit_tokens += num_external_tokens
@@ -270,35 +348,81 @@ class KVRayConnectorScheduler:
 
     # ---------------------------------------------------------------- stores
     def _plan_store(self, state: _RequestState, upto_blocks: int, *, finish: bool = False) -> bool:
-        """Store jobs (each fitting staging) for blocks [planned, upto) kvray does not hold."""
+        """Store jobs (each fitting staging) for full-attention blocks [planned, upto) kvray
+        does not hold, and the windows of sliding-window groups before anchors reached."""
+        planned = self._plan_windows(state, upto_blocks, finish) if self._windows else False
         first = state.num_planned_blocks
         if upto_blocks <= first:
-            return False
+            return planned
         state.num_planned_blocks = upto_blocks
         req = state.request
         hashes = [bytes(h) for h in req.block_hashes[first:upto_blocks]]
-        present = self.manager.present(hashes)
-        idx = [first + i for i, h in enumerate(hashes) if h not in self._storing and not present[i]]
         step = self.max_store_blocks
-        planned = False
-        for a in range(0, len(idx), step):
-            planned |= self._store_job(state, idx[a : a + step], finish) is not None
+        for group in self._full:
+            g = group.index
+            present = self.managers[g].present(hashes)
+            idx = [
+                first + i
+                for i, h in enumerate(hashes)
+                if (g, h) not in self._storing and not present[i]
+            ]
+            for a in range(0, len(idx), step):
+                planned |= self._store_job(state, idx[a : a + step], finish, g) is not None
         return planned
 
-    def _store_job(self, state: _RequestState, idx: list[int], finish: bool) -> JobId | None:
+    def _plan_windows(self, state: _RequestState, upto_blocks: int, finish: bool) -> bool:
+        """Sliding-window groups store the window before each anchor computed so far (blocks
+        vLLM still holds; the window of an anchor is held while its last block is computed)."""
+        req = state.request
+        if not state.prompt_anchored:  # a request repeating this prompt hits up to its end
+            state.prompt_anchored = True
+            state.anchors.add(min(len(req.block_hashes), req.num_prompt_tokens // self.block_size))
+        reached = sorted(n for n in state.anchors if 0 < n <= upto_blocks)
+        if not reached:
+            return False
+        state.anchors.difference_update(reached)
+        planned = False
+        for group in self._windows:
+            g = group.index
+            done = state.window_planned.setdefault(g, set())
+            ids = state.block_ids[g]
+            want = sorted({i for n in reached for i in group.window_blocks(n)} - done)
+            want = [i for i in want if i < len(ids) and ids[i] != NULL_BLOCK_ID]
+            if not want:
+                continue
+            done.update(want)
+            hashes = [bytes(req.block_hashes[i]) for i in want]
+            present = self.managers[g].present(hashes)
+            idx = [
+                i
+                for i, h, p in zip(want, hashes, present, strict=True)
+                if (g, h) not in self._storing and not p
+            ]
+            step = self.max_store_blocks
+            for a in range(0, len(idx), step):
+                planned |= self._store_job(state, idx[a : a + step], finish, g) is not None
+        return planned
+
+    def _store_job(
+        self, state: _RequestState, idx: list[int], finish: bool, group: int = 0
+    ) -> JobId | None:
         if not idx:
             return None
         req = state.request
         bs = self.block_size
         hashes = [bytes(req.block_hashes[i]) for i in idx]
-        block_ids = [state.block_ids[i] for i in idx]
+        block_ids = [state.block_ids[group][i] for i in idx]
         job_id = next(self._job_ids)
         self._new_stores[job_id] = StoreSpec(
-            req_id=req.request_id, block_ids=block_ids, block_hashes=hashes, finish=finish
+            req_id=req.request_id,
+            block_ids=block_ids,
+            block_hashes=hashes,
+            finish=finish,
+            group=group,
         )
         contiguous = idx == list(range(idx[0], idx[-1] + 1))
         for h in hashes:
-            self._storing[h] = job_id
+            self._storing[group, h] = job_id
         tokens = req.all_token_ids[idx[0] * bs : (idx[-1] + 1) * bs] if contiguous else []
         self._jobs[job_id] = _Job(
             req_id=req.request_id,
@@ -309,6 +433,8 @@ class KVRayConnectorScheduler:
             pending=self.world_size,
             token_ids=list(tokens),
             parent_hash=bytes(req.block_hashes[idx[0] - 1]) if idx[0] > 0 else None,
+            group=group,
+            indices=list(idx),
         )
         return job_id
 
@@ -324,17 +450,19 @@ class KVRayConnectorScheduler:
             if block_state is not None:
                 ids = block_state.get_block_ids(req_id)
                 if ids is not None:
-                    state.block_ids = list(ids[0])
+                    state.block_ids = tuple(list(x) for x in ids)
             req = state.request
             # A handoff's first step: the one after its async load, or the one its sync load
             # runs in (the forward computes the rest of the prompt right after it).
-            loaded = state.load_job is None or not state.load_is_async
+            loaded = not state.load_jobs or not state.load_is_async
             if state.handoff is not None and loaded and not state.handoff_begun:
                 state.handoff_begun = True
                 self.handoffs.began(state.handoff, req.num_prompt_tokens - req.num_computed_tokens)
             # num_computed_tokens is advanced after this call: add this step's tokens.
             computed = req.num_computed_tokens + num_new
-            full = min(len(req.block_hashes), computed // self.block_size, len(state.block_ids))
+            full = min(
+                len(req.block_hashes), computed // self.block_size, len(state.block_ids[self._main])
+            )
             # Prompt blocks are stored as they fill; decode blocks in batches (or at finish).
             decoding = req.num_computed_tokens >= req.num_prompt_tokens
             if not decoding or full - state.num_planned_blocks >= self.decode_store_blocks:
@@ -370,15 +498,19 @@ class KVRayConnectorScheduler:
             state = self._reqs.get(job.req_id)
             if job.is_store:
                 for h in job.block_hashes:
-                    if self._storing.get(h) == job_id:
-                        del self._storing[h]
+                    if self._storing.get((job.group, h)) == job_id:
+                        del self._storing[job.group, h]
                 if job.failed == 0:
-                    self.manager.complete_store(job.block_hashes, job.token_ids, job.parent_hash)
+                    self.managers[job.group].complete_store(
+                        job.block_hashes, job.token_ids, job.parent_hash
+                    )
+                elif state is not None and job.group in state.window_planned:
+                    state.window_planned[job.group].difference_update(job.indices)
                 elif state is not None:
                     # Some rank could not store: let a later step try these blocks again.
                     state.num_planned_blocks = min(state.num_planned_blocks, job.first_block)
-            elif state is not None and state.load_job == job_id:
-                state.load_job = None
+            elif state is not None:
+                state.load_jobs.discard(job_id)
 
     def _on_invalid_blocks(self, invalid: set[int]) -> None:
         """Blocks a load failed to fill are recomputed by vLLM: plan to store them again."""
@@ -391,27 +523,38 @@ class KVRayConnectorScheduler:
             self.quarantine.add(job.block_hashes[bad[0] :])
             state = self._reqs.get(job.req_id)
             if state is not None:
-                state.num_planned_blocks = min(state.num_planned_blocks, job.first_block + bad[0])
+                first_bad = job.first_block + bad[0]
+                state.num_planned_blocks = min(state.num_planned_blocks, first_bad)
+                for done in state.window_planned.values():  # recomputed: stored again
+                    done.difference_update(range(first_bad, first_bad + len(job.block_ids)))
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Store the last full blocks of a finished request, keeping them until it is done."""
+        """Store the last full blocks of a finished request, keeping them until it is done
+        (``block_ids``: the one group's, or a tuple of every group's)."""
         from vllm.v1.request import RequestStatus
 
         state = self._reqs.pop(request.request_id, None)
-        if state is None or (state.load_job is not None and state.load_is_async):
+        if state is None or (state.load_jobs and state.load_is_async):
             # An async load may still be writing these blocks: they hold nothing to store.
             return False, None
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False, None
-        state.block_ids = list(block_ids)
+        state.block_ids = (
+            tuple(list(x) for x in block_ids)
+            if isinstance(block_ids, tuple)
+            else (list(block_ids),)
+        )
         full = min(
             len(request.block_hashes),
             request.num_computed_tokens // self.block_size,
-            len(state.block_ids),
+            len(state.block_ids[self._main]),
         )
+        state.anchors.add(full)  # the next turn of a conversation hits up to here
         planned = self._plan_store(state, full, finish=True)
+        if self._windows:  # no handoffs for hybrid models (yet)
+            return planned, None
         if (
             not wants_handoff(request.kv_transfer_params)
             or request.status == RequestStatus.FINISHED_ABORTED

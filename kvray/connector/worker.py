@@ -18,6 +18,8 @@ import logging
 import torch
 
 from kvray.config import KVRayConfig
+from kvray.connector.grouped import GroupedTransfer
+from kvray.connector.groups import CacheGroup
 from kvray.connector.keyspace import EngineKeySpace
 from kvray.connector.metadata import (
     KVRayConnectorMetadata,
@@ -44,13 +46,16 @@ class KVRayConnectorWorker:
         *,
         tp_rank: int,
         layout_hint: str | None = None,
+        groups: tuple[CacheGroup, ...] = (),
     ) -> None:
+        """``groups``: a hybrid model's KV cache groups (one handler each); none for one group."""
         self.config = config
         self.key_space = key_space
         self.store = store
         self.tp_rank = tp_rank
         self.layout_hint = layout_hint
-        self.handler: TransferHandler | None = None
+        self.groups = groups if len(groups) > 1 else ()
+        self.handler: TransferHandler | GroupedTransfer | None = None
 
     @property
     def _h(self) -> TransferSide:
@@ -63,11 +68,27 @@ class KVRayConnectorWorker:
         if not kv_caches:  # no attention layer: nothing to save or load, every hook a no-op
             logger.info("kvray worker rank %d: no KV cache to register", self.tp_rank)
             return
+        if not self.groups:
+            self.handler = self._handler(kv_caches, self.key_space)
+            return
+        handlers: dict[int, TransferHandler] = {}
+        for group in self.groups:
+            caches = {n: kv_caches[n] for n in group.layer_names if n in kv_caches}
+            if len(caches) != len(group.layer_names):
+                raise RuntimeError(
+                    f"kvray connector: KV cache group {group.index} ({group.kind}) has "
+                    f"{len(group.layer_names)} layers, {len(caches)} registered; refusing"
+                )
+            handlers[group.index] = self._handler(caches, group.key_space)
+        layers = {n: g.index for g in self.groups for n in g.layer_names}
+        self.handler = GroupedTransfer(handlers, layers)
+
+    def _handler(self, kv_caches: dict[str, torch.Tensor], ks: EngineKeySpace) -> TransferHandler:
+        """The transfer handler of the layers of one KV cache group (all of them: one group)."""
         first = next(iter(kv_caches.values()))
         layout = describe_kv_caches(
-            kv_caches, block_size=self.key_space.block_size, layout_hint=self.layout_hint
+            kv_caches, block_size=ks.block_size, layout_hint=self.layout_hint
         )
-        ks = self.key_space
         if layout.block_nbytes != ks.block_nbytes or (
             ks.variant and layout.variant and layout.variant != ks.variant
         ):
@@ -89,7 +110,7 @@ class KVRayConnectorWorker:
         if self.config.load_mode == "layerwise" and not layerwise:
             logger.info("kvray: layer-by-layer loads are for CPU caches; loading whole blocks")
         max_blocks = max(1, self.config.staging_bytes // layout.block_nbytes)
-        self.handler = TransferHandler(
+        handler = TransferHandler(
             self.config,
             ks,
             self.store,
@@ -114,6 +135,7 @@ class KVRayConnectorWorker:
             layout.fingerprint,
             max_blocks,
         )
+        return handler
 
     # ---------------------------------------------------------------- steps
     # vLLM's profile and dummy runs take empty steps, before register_kv_caches too: each

@@ -75,6 +75,58 @@ def build_tiny_llama(
     return str(out)
 
 
+def build_tiny_gemma3(
+    path: str | os.PathLike[str],
+    *,
+    layers: int = 4,
+    sliding_window: int = 128,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab: int = VOCAB,
+    seed: int = 0,
+) -> str:
+    """A random float32 Gemma-3 text model: sliding-window and full-attention layers
+    alternating (vLLM's hybrid manager gives each kind its KV cache group). Idempotent."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out = Path(path)
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        sliding_window=sliding_window,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    marker = out / "kvray_model.json"
+    want = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    if marker.exists() and marker.read_text() == want:
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(want)
+    return str(out)
+
+
 def make_prompts(
     n: int, prefix_len: int, suffix_len: int, *, seed: int = 0, vocab: int = VOCAB
 ) -> list[list[int]]:

@@ -1,0 +1,442 @@
+"""Hybrid models: kvray as a hybrid-allocator (``SupportsHMA``) connector.
+
+vLLM's real ``Scheduler`` and ``KVCacheManager`` with a two-group ``KVCacheConfig`` (full
+attention + sliding window, the layers of both groups sharing their paged tensors as vLLM lays
+them out), kvray's scheduler and worker sides on CPU tensors, real Ray. A fake "model" writes,
+for every computed token, a value derived from (token, position, layer) into its slot in every
+layer of every group, so every loaded block is checked against what was stored, group by group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama
+
+pytestmark = [pytest.mark.vllm]
+
+KV_HEADS, HEAD_DIM = 2, 32
+#: Layers 0, 2 full attention (group 0); 1, 3 sliding window (group 1). vLLM's hybrid layout:
+#: one tensor per pair of layers, shared by one layer of each group.
+FULL_LAYERS = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
+SWA_LAYERS = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+LAYER_INDEX = {n: int(n.split(".")[2]) for n in FULL_LAYERS + SWA_LAYERS}
+WINDOW = 80  # tokens: a hit needs the last cdiv(80, 32) = 3 blocks of the window group
+WINDOW_BLOCKS = -(-WINDOW // BLOCK_SIZE)
+EOS = 2
+
+
+def expected_value(token: int, pos: int, layer: int) -> float:
+    return float(token * 2048 + pos) + layer / 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("hybrid-model"), layers=4, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+    )
+
+
+@dataclass
+class Hybrid:
+    """One engine: a Scheduler with its scheduler-role connector, one worker-role connector,
+    and a record of every load and store its metadata named."""
+
+    scheduler: Any
+    worker: Any
+    kv: dict[str, torch.Tensor]
+    loads: list[Any] = field(default_factory=list)
+    stores: list[Any] = field(default_factory=list)
+    checked_blocks: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    async_loads: list[Any] = field(default_factory=list)
+
+    @property
+    def sconn(self) -> Any:
+        return self.scheduler.connector.scheduler
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 3) -> Any:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        )
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self, after_start: Callable[[Any], None] | None = None) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        self.loads.extend(meta.loads.values())
+        self.stores.extend(meta.stores.values())
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        self._check_loads([s for s in meta.loads.values() if not s.is_async])  # in place now
+        self.async_loads.extend(s for s in meta.loads.values() if s.is_async)
+        if after_start is not None:
+            after_start(so)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            req = self.scheduler.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            self._forward(req, end - n, end)
+            sampled.append([7] if end >= req.num_tokens else [])
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        done = set(res.finished_recving) - set(res.failed_recving)
+        self._check_loads([s for s in self.async_loads if s.req_id in done])
+        self.async_loads = [s for s in self.async_loads if s.req_id not in done]
+        out = KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
+            finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+        w.clear_connector_metadata()
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=out,
+        )
+        self.scheduler.update_from_output(so, mro)
+        return so
+
+    def _forward(self, req: Any, start: int, end: int) -> None:
+        groups = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)
+        toks = req.all_token_ids
+        for layers, blocks in ((FULL_LAYERS, groups[0]), (SWA_LAYERS, groups[1])):
+            for name in layers:
+                self.worker.wait_for_layer_load(name)
+                t = self.kv[name]
+                for pos in range(start, end):
+                    b = blocks[pos // BLOCK_SIZE]
+                    assert b != 0, "a computed token's block is never vLLM's null block"
+                    t[b, :, pos % BLOCK_SIZE, :] = expected_value(toks[pos], pos, LAYER_INDEX[name])
+
+    def _check_loads(self, specs: list[Any]) -> None:
+        """Every block a load filled holds, in every layer of its group, the values the engine
+        that stored it computed for those tokens at those positions."""
+        for spec in specs:
+            req = self.scheduler.requests[spec.req_id]
+            index = {bytes(h): i for i, h in enumerate(req.block_hashes)}
+            layers = FULL_LAYERS if spec.group == 0 else SWA_LAYERS
+            for block_id, h in zip(spec.block_ids, spec.block_hashes, strict=True):
+                i = index[bytes(h)]
+                toks = req.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+                for name in layers:
+                    want = torch.tensor(
+                        [
+                            expected_value(t, i * BLOCK_SIZE + k, LAYER_INDEX[name])
+                            for k, t in enumerate(toks)
+                        ]
+                    ).view(1, BLOCK_SIZE, 1)
+                    got = self.kv[name][block_id]
+                    assert torch.equal(got, want.expand_as(got)), (spec.group, i, name)
+                self.checked_blocks[spec.group] += 1
+
+    def run(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.scheduler.has_requests() or self.sconn.num_pending_jobs():
+            assert time.monotonic() < deadline, f"not drained: {self.sconn._jobs}"
+            if not self.step().total_num_scheduled_tokens:
+                time.sleep(0.005)
+            self.worker.worker.flush()
+        self.sconn.store.sync()
+
+    def stored(self, req_id: str, group: int) -> list[bytes]:
+        return [
+            h
+            for s in self.stores
+            if s.req_id == req_id and s.group == group
+            for h in s.block_hashes
+        ]
+
+    def loaded(self, req_id: str, group: int) -> list[bytes]:
+        return [
+            h for s in self.loads if s.req_id == req_id and s.group == group for h in s.block_hashes
+        ]
+
+
+def hybrid_config(model_dir: str, namespace: str, **extra: Any) -> tuple[Any, Any]:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVRayConnector",
+            kv_connector_module_path="kvray.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"namespace": namespace, **extra},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    spec = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": KV_HEADS,
+        "head_size": HEAD_DIM,
+        "dtype": torch.float32,
+    }
+    kv_cache_config = KVCacheConfig(
+        num_blocks=96,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(FULL_LAYERS, FullAttentionSpec(**spec)),
+            KVCacheGroupSpec(SWA_LAYERS, SlidingWindowSpec(sliding_window=WINDOW, **spec)),
+        ],
+    )
+    vllm_config.cache_config.num_gpu_blocks = 96
+    return vllm_config, kv_cache_config
+
+
+def make_engine(model_dir: str, namespace: str, **extra: Any) -> Hybrid:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvray.connector import KVRayConnector
+
+    vllm_config, kv_cache_config = hybrid_config(model_dir, namespace, **extra)
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+    assert not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    assert len(scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups) == 2
+    worker = KVRayConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    # vLLM's hybrid layout: one tensor per layer pair, shared by a layer of each group.
+    backing = torch.zeros(2, 96, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    kv = {
+        FULL_LAYERS[0]: backing[0],
+        SWA_LAYERS[0]: backing[0],
+        FULL_LAYERS[1]: backing[1],
+        SWA_LAYERS[1]: backing[1],
+    }
+    worker.register_kv_caches(kv)
+    return Hybrid(scheduler=scheduler, worker=worker, kv=kv)
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=1)
+    sp.update_from_generation_config({}, EOS)
+    req = Request(
+        "hashes", tokens, sp, None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256)
+    )
+    return [bytes(h) for h in req.block_hashes]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+@pytest.fixture
+def engines(model_dir: str, kvray_ns: str) -> Iterator[Callable[..., Hybrid]]:
+    made: list[Hybrid] = []
+
+    def make(**extra: Any) -> Hybrid:
+        e = make_engine(model_dir, kvray_ns, **extra)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.worker.shutdown()
+        e.scheduler.connector.shutdown()
+
+
+def test_hybrid_is_a_supports_hma_connector_with_a_key_space_per_group(engines: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from kvray.connector import KVRayConnector
+
+    assert supports_hma(KVRayConnector)
+    e = engines()
+    groups = e.scheduler.connector.groups
+    assert [g.kind for g in groups] == ["full_attention", "sliding_window"]
+    assert groups[1].window == WINDOW
+    assert groups[0].key_space.prefix != groups[1].key_space.prefix
+    assert e.scheduler.connector.key_space is groups[0].key_space  # it decides hits
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_a_second_engine_loads_every_group_of_the_shared_prefix(
+    engines: Any, load_mode: str
+) -> None:
+    a, b = engines(load_mode=load_mode), engines(load_mode=load_mode)
+    p = prompt(10 * BLOCK_SIZE + 5, seed=1)  # 10 full blocks
+    a.add("a1", p)
+    a.run()
+    # Full attention stores every full block; the window group only the blocks a hit needs.
+    assert len(a.stored("a1", 0)) == 10
+    swa = a.stored("a1", 1)
+    assert len(swa) == WINDOW_BLOCKS == 3
+    assert swa == block_hashes(p)[7:10]
+
+    b.add("b1", p)
+    so = b.step()
+    if load_mode == "sync":  # a 10-block hit: vLLM computes only the last 5 tokens
+        assert so.num_scheduled_tokens["b1"] == 5
+    b.run()
+    assert b.sconn.hit_tokens == 10 * BLOCK_SIZE
+    assert len(b.loaded("b1", 0)) == 10
+    assert b.loaded("b1", 1) == swa  # exactly the window's blocks, nothing else
+    assert b.checked_blocks == {0: 10, 1: 3}
+    c = b.worker.worker.counters()
+    assert c.failed_blocks == 0
+
+
+def test_num_computed_tokens_after_a_hybrid_hit(engines: Any) -> None:
+    a, b = engines(), engines()
+    p = prompt(6 * BLOCK_SIZE, seed=2)  # fills its last block: the hit leaves one token
+    a.add("a1", p)
+    a.run()
+    b.add("b1", p, max_tokens=2)
+    so = b.step()
+    assert so.num_scheduled_tokens["b1"] == 1
+    assert b.scheduler.requests["b1"].num_computed_tokens == 6 * BLOCK_SIZE
+    b.run()
+    assert b.checked_blocks[0] == 6 and b.checked_blocks[1] == WINDOW_BLOCKS
+
+
+def test_a_shared_prefix_is_anchored_where_requests_diverge(engines: Any) -> None:
+    """A prefix shared by requests with different suffixes: the first engine stored its
+    window before its own prompt's end only, so the second finds the full-attention prefix
+    but no window before it (no hit), and stores the window where it diverged; a third engine
+    then hits the whole shared prefix, in every group."""
+    a, b, c = engines(), engines(), engines()
+    shared = prompt(6 * BLOCK_SIZE, seed=3)
+    a.add("a1", shared + prompt(3 * BLOCK_SIZE + 7, seed=4))
+    a.run()
+    b.add("b1", shared + prompt(2 * BLOCK_SIZE + 3, seed=5))
+    b.run()
+    assert b.sconn.hit_tokens == 0 and not b.loads
+    # b1 stored its prompt's window and the window before the divergence point (block 6).
+    assert len(b.stored("b1", 1)) <= 2 * WINDOW_BLOCKS
+    c.add("c1", shared + prompt(4 * BLOCK_SIZE + 1, seed=6))
+    so = c.step()
+    assert c.sconn.hit_tokens == 6 * BLOCK_SIZE
+    assert so.num_scheduled_tokens["c1"] == 4 * BLOCK_SIZE + 1
+    c.run()
+    assert c.checked_blocks == {0: 6, 1: WINDOW_BLOCKS}
+
+
+def test_window_group_stores_at_most_its_window_per_request(engines: Any) -> None:
+    """Per request, the window group stores the window before its prompt's end and before
+    its end (one window when the request ends within it), however long the prompt."""
+    a = engines()
+    for i, n in enumerate((3, 9, 17, 25)):
+        a.add(f"r{i}", prompt(n * BLOCK_SIZE + 3, seed=10 + i))
+        a.run()
+        assert len(a.stored(f"r{i}", 0)) == n
+        assert len(a.stored(f"r{i}", 1)) == min(n, WINDOW_BLOCKS)
+    # A request decoding far past its prompt's window: two windows (prompt end, request end).
+    a.add("long", prompt(8 * BLOCK_SIZE + 3, seed=20), max_tokens=4 * BLOCK_SIZE)
+    a.run()
+    swa = a.stored("long", 1)
+    assert len(swa) <= 2 * WINDOW_BLOCKS and len(set(swa)) == len(swa)
+
+
+def test_mamba_groups_are_refused_in_one_line(model_dir: str, kvray_ns: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from kvray.connector import KVRayConnector
+    from kvray.connector.groups import UnsupportedGroupsError
+    from kvray.errors import KVRayError
+
+    vllm_config, _ = hybrid_config(model_dir, kvray_ns)
+    mamba = MambaSpec(
+        block_size=BLOCK_SIZE, shapes=((4, 8), (2, 16)), dtypes=(torch.float32, torch.float32)
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                FULL_LAYERS,
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE,
+                    num_kv_heads=KV_HEADS,
+                    head_size=HEAD_DIM,
+                    dtype=torch.float32,
+                ),
+            ),
+            KVCacheGroupSpec(SWA_LAYERS, mamba),
+        ],
+    )
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UnsupportedGroupsError) as err:
+            KVRayConnector(vllm_config, role, kv_cache_config)
+        assert isinstance(err.value, KVRayError)
+        assert str(err.value) == (
+            "kvray connector: this model's KV cache groups are [full_attention, mamba]: "
+            "kvray stores full-attention and sliding-window groups only; "
+            "run this model without kvray"
+        )

@@ -1,0 +1,123 @@
+"""A tiny random Gemma-3 (sliding-window and full-attention layers alternating) end to end on
+CPU with vLLM's hybrid KV cache manager on: kvray keeps greedy tokens identical, a fresh engine
+loads every prompt's whole prefix, and the KV bytes kvray stores and loads per request are
+compared with the same model with the hybrid manager off (one group for every layer)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import kvray
+from kvray.testing.engines import (
+    build_tiny_gemma3,
+    cached_tokens,
+    close_llm,
+    connector_of,
+    engine_kwargs,
+    finish_delayed_frees,
+    full_hit_tokens,
+    generate,
+    in_process_engines,
+    kvray_transfer_config,
+    make_prompts,
+    scheduler_of,
+    token_ids,
+    worker_connector_of,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+PROMPTS = make_prompts(3, 400, 40, seed=1)  # 13 full blocks each, 12 of them shared
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with in_process_engines():
+        yield build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), sliding_window=128)
+
+
+def _run(model: str, ns: str, hybrid: bool, one_by_one: bool = False) -> dict[str, Any]:
+    """One engine's generation; its groups, tokens, cached tokens and transfer counters
+    (``one_by_one``: each prompt alone, vLLM's own prefix cache emptied before it, so every
+    request's figures are what it loads from kvray)."""
+    from vllm import LLM
+
+    ktc = kvray_transfer_config(ns, capacity="128MiB", get_timeout_s=10)
+    llm = LLM(
+        **engine_kwargs(model, kv_transfer_config=ktc, disable_hybrid_kv_cache_manager=not hybrid)
+    )
+    try:
+        if one_by_one:
+            out = []
+            for p in PROMPTS:
+                finish_delayed_frees(llm)
+                assert llm.reset_prefix_cache()
+                out += generate(llm, [p])
+        else:
+            out = generate(llm, PROMPTS)
+        finish_delayed_frees(llm)
+        worker = worker_connector_of(llm).worker
+        worker.flush()
+        conn = connector_of(llm)
+        conn.store.sync()
+        groups = scheduler_of(llm).kv_cache_config.kv_cache_groups
+        # What the scheduler was told, and what the worker has not reported yet (puts that
+        # ended after the last step).
+        c = conn.scheduler.counters.add(worker.counters())
+        return {
+            "groups": [type(g.kv_cache_spec).__name__ for g in groups],
+            "tokens": token_ids(out),
+            "cached": cached_tokens(out),
+            "stored_bytes": c.stored_bytes,
+            "loaded_bytes": c.loaded_bytes,
+            "stored_blocks": c.stored_blocks,
+            "loaded_blocks": c.loaded_blocks,
+        }
+    finally:
+        close_llm(llm)
+
+
+def test_gemma3_hybrid_manager_on_identical_tokens_full_hits_and_fewer_bytes(
+    gemma: str, ray_cluster: Any
+) -> None:
+    from vllm import LLM
+
+    llm = LLM(**engine_kwargs(gemma))
+    try:
+        reference = token_ids(generate(llm, PROMPTS))
+    finally:
+        close_llm(llm)
+    figures: dict[str, dict[str, Any]] = {}
+    for hybrid in (True, False):
+        ns = f"hyb{uuid.uuid4().hex[:8]}"
+        try:
+            first = _run(gemma, ns, hybrid)
+            second = _run(gemma, ns, hybrid, one_by_one=True)  # every prefix from kvray
+            batch = _run(gemma, ns, hybrid)  # the three at once: vLLM's own cache shares
+        finally:
+            kvray.stop(ns)
+        assert first["tokens"] == reference and second["tokens"] == reference
+        assert batch["tokens"] == reference
+        assert second["cached"] == [full_hit_tokens(p) for p in PROMPTS]
+        n = len(PROMPTS)
+        figures["hma_on" if hybrid else "hma_off"] = {
+            "groups": first["groups"],
+            "stored_bytes_per_request": first["stored_bytes"] / n,
+            "loaded_bytes_per_request": second["loaded_bytes"] / n,
+            "stored_blocks_per_request": first["stored_blocks"] / n,
+            "loaded_blocks_per_request": second["loaded_blocks"] / n,
+            "batch_loaded_bytes_per_request": batch["loaded_bytes"] / n,
+        }
+    print("KVRAY_HYBRID_BYTES", json.dumps(figures, sort_keys=True))
+    on, off = figures["hma_on"], figures["hma_off"]
+    assert on["groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
+    assert len(off["groups"]) == 1
+    assert on["stored_bytes_per_request"] < off["stored_bytes_per_request"]
+    assert on["loaded_bytes_per_request"] < off["loaded_bytes_per_request"]
