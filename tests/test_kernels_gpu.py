@@ -92,6 +92,20 @@ def _expected(
 ) -> torch.Tensor:
     """``raw`` as it must look after copying KV blocks src -> dst (index ops, as integers)."""
     expected = raw.clone()
+    _apply(expected, layers, factor, bdim, src, dst)
+    return expected
+
+
+def _apply(
+    expected: torch.Tensor,
+    layers: list[torch.Tensor],
+    factor: int,
+    bdim: int,
+    src: list[int],
+    dst: list[int],
+) -> None:
+    """Copy KV blocks src -> dst of ``layers`` (views of the storage ``expected`` copies) into
+    ``expected``, reading the layers themselves."""
     ksrc = torch.tensor([b * factor + k for b in src for k in range(factor)], device="cuda")
     kdst = torch.tensor([b * factor + k for b in dst for k in range(factor)], device="cuda")
     for t in layers:
@@ -99,7 +113,6 @@ def _expected(
         # Same place in the copy: raw starts the storage, so offsets and strides carry over.
         e = expected.view(itype).as_strided(t.shape, t.stride(), t.storage_offset())
         e.index_copy_(bdim, kdst, t.view(itype).index_select(bdim, ksrc))
-    return expected
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -130,6 +143,41 @@ def test_roundtrip(engine: str, kind: str, dtype: torch.dtype, factor: int, host
     bdim = 1 if kind.startswith("kv_first") else 0  # the block axis of each layer's view
     expected = _expected(raw, layers, factor, bdim, src, dst)
     mover.scatter(dst, out[:n])
+    torch.cuda.synchronize()
+    assert torch.equal(raw, expected)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", ["nhd", "hnd", "kv_first_nhd", "blocks_first_nhd", "mla"])
+def test_two_kv_cache_groups_sharing_their_tensors(engine: str, kind: str) -> None:
+    """vLLM's hybrid manager on a GPU (full attention + sliding window, issue 34): every KV cache
+    tensor is shared by one layer of each group (each layer its own view of it) and both
+    groups' block ids come from one block pool, so they never overlap. kvray moves each group
+    with its own mover over that group's views (``kvray.connector.grouped``): every group's
+    blocks read back as a CPU copy of the cache reads them, and scattering both groups'
+    blocks changes exactly their destination blocks of the shared storage, nothing else."""
+    raw, layers, hint = _caches(kind, torch.bfloat16, 1)
+    full = layers[:2]  # layers 2 and 3 belong to no group: they must stay as they are
+    window = [t.as_strided(t.shape, t.stride(), t.storage_offset()) for t in full]
+    assert all(w.data_ptr() == f.data_ptr() for w, f in zip(window, full, strict=True))
+    moves = {"full": (full, [1, 4, 6], [10, 11, 12]), "window": (window, [2, 9], [13, 14])}
+    bdim = 1 if kind.startswith("kv_first") else 0
+    expected = raw.clone()
+    bufs = {}
+    for name, (group, src, dst) in moves.items():
+        lay = describe_kv_caches(group, block_size=N, layout_hint=hint)
+        mover = BlockMover(group, lay, engine=engine)
+        bufs[name] = torch.empty(len(src), lay.block_nbytes, dtype=torch.uint8, device="cuda")
+        mover.gather(src, bufs[name])
+        cpu_group = [t.cpu() for t in group]
+        cpu_lay = describe_kv_caches(cpu_group, block_size=N, layout_hint=hint)
+        cpu_out = torch.empty(len(src), cpu_lay.block_nbytes, dtype=torch.uint8)
+        BlockMover(cpu_group, cpu_lay).gather(src, cpu_out)
+        assert torch.equal(bufs[name].cpu(), cpu_out), name
+        _apply(expected, group, 1, bdim, src, dst)
+    for name, (group, _src, dst) in moves.items():
+        lay = describe_kv_caches(group, block_size=N, layout_hint=hint)
+        BlockMover(group, lay, engine=engine).scatter(dst, bufs[name])
     torch.cuda.synchronize()
     assert torch.equal(raw, expected)
 
