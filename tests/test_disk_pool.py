@@ -506,7 +506,14 @@ def test_disk_config_from_strings() -> None:
     assert KVRayConfig().disk_dir is None
 
 
-def test_cli_start_status_stop_purge(ray_cluster: Cluster, tmp_path: Path) -> None:
+def test_cli_start_status_stop_purge(
+    ray_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvray.ops import cli
+
+    # A wide terminal: rich reads COLUMNS once, when the CLI's console is made (at import,
+    # maybe by an earlier test of this process), so the runner's env cannot set it.
+    monkeypatch.setattr(cli.console, "width", 200)
     runner = CliRunner()
     ns = f"dc{uuid.uuid4().hex[:6]}"
     args = ["--namespace", ns, "--capacity", "8MiB", "--disk-dir", str(tmp_path)]
@@ -514,7 +521,7 @@ def test_cli_start_status_stop_purge(ray_cluster: Cluster, tmp_path: Path) -> No
     try:
         assert started.exit_code == 0, started.output
         assert "disk tier 32.0 MiB per node" in " ".join(started.output.split())
-        table = runner.invoke(app, ["status", "--namespace", ns], env={"COLUMNS": "200"})
+        table = runner.invoke(app, ["status", "--namespace", ns])
         assert table.exit_code == 0, table.output
         assert "disk used / capacity" in table.output and "0 B / 32.0 MiB" in table.output
         bad = runner.invoke(app, ["start", "--namespace", ns, "--disk-dir", str(tmp_path)])
