@@ -64,7 +64,13 @@ class Hybrid:
     def sconn(self) -> Any:
         return self.scheduler.connector.scheduler
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 3) -> Any:
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int = 3,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> Any:
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -72,6 +78,8 @@ class Hybrid:
 
         init_none_hash(sha256)
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if kv_transfer_params is not None:  # as vLLM's OpenAI server passes them
+            sp.extra_args = {"kv_transfer_params": kv_transfer_params}
         sp.update_from_generation_config({}, EOS)
         req = Request(
             request_id=req_id,
@@ -380,6 +388,29 @@ def test_a_shared_prefix_is_anchored_where_requests_diverge(engines: Any) -> Non
     assert so.num_scheduled_tokens["c1"] == 4 * BLOCK_SIZE + 1
     c.run()
     assert c.checked_blocks == {0: 6, 1: WINDOW_BLOCKS}
+
+
+def test_a_handoff_to_a_hybrid_engine_is_refused_counted_and_looked_up_as_usual(
+    engines: Any,
+) -> None:
+    """Hybrid engines take no P/D handoffs yet: a decode request carrying a prefill's handoff
+    is counted as rejected (and logged), never half-loaded from it; its prefix is looked up
+    like any other request's, so what kvray holds still loads, in every group."""
+    from kvray.connector.handoff import HANDOFF_KEY
+
+    a, b = engines(), engines()
+    p = prompt(4 * BLOCK_SIZE + 5, seed=30)
+    a.add("a1", p)
+    a.run()
+    b.add("b1", p, kv_transfer_params={HANDOFF_KEY: {"v": 1, "n": 4}})
+    b.run()
+    handoffs = b.sconn.handoffs
+    assert (handoffs.rejected, handoffs.received) == (1, 0)
+    assert b.sconn.hit_tokens == 4 * BLOCK_SIZE
+    assert b.checked_blocks == {0: 4, 1: WINDOW_BLOCKS}
+    b.add("b2", prompt(2 * BLOCK_SIZE, seed=31), kv_transfer_params={"other": 1})
+    b.run()
+    assert handoffs.rejected == 1  # params without a kvray handoff are not one
 
 
 def test_window_group_stores_at_most_its_window_per_request(engines: Any) -> None:

@@ -289,6 +289,13 @@ class HandoffPlanner:
         self.arrivals_s: deque[float] = deque(maxlen=self.MAX_LATENCIES)
         self._stepping: list[float] = []
 
+    def refuse(self, params: object, why: str) -> None:
+        """A request's handoff (if its params carry one) this engine does not take (``why``):
+        counted in ``rejected`` and said; the request's prefix is looked up like any other's."""
+        if isinstance(params, dict) and HANDOFF_KEY in params:
+            self.rejected += 1
+            logger.warning("kvray: ignoring the handoff of a request (%s)", why)
+
     def read(self, params: object, block_hashes: Sequence[bytes]) -> Handoff | None:
         try:
             handoff = read_handoff(params, self.key_space, block_hashes)

@@ -67,6 +67,9 @@ def _hit_tokens(request: Request, hit_end: int) -> int:
     return min(hit_end, request.num_tokens - 1)
 
 
+#: Why a hybrid model's decode engine does not load a prefill's handoff (it computes instead).
+HYBRID_NO_HANDOFF = "a hybrid model's engine takes no P/D handoffs yet (issue 34)"
+
 #: vLLM's null block (its block pool's first): a sliding-window block vLLM freed or skipped.
 NULL_BLOCK_ID = 0
 
@@ -207,9 +210,12 @@ class KVRayConnectorScheduler:
         if max_blocks <= start:
             return 0, False
         hashes = list(request.block_hashes[:max_blocks])
-        if not state.handoff_read and not self._windows:  # a prefill's: load where they say
+        if not state.handoff_read:  # a prefill's: load where they say
             state.handoff_read = True
-            state.handoff = self.handoffs.read(request.kv_transfer_params, request.block_hashes)
+            if self._windows:
+                self.handoffs.refuse(request.kv_transfer_params, HYBRID_NO_HANDOFF)
+            else:
+                state.handoff = self.handoffs.read(request.kv_transfer_params, request.block_hashes)
         if state.handoff is not None:
             hit_blocks = self.quarantine.usable(hashes[: state.handoff.num_blocks])
             if hit_blocks > start:
