@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 import torch
 
 from kvray.client import Fetched
-from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama
+from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama, scheduler_vllm_config
 
 pytestmark = [pytest.mark.vllm]
 
@@ -164,15 +164,6 @@ def assert_scheduler_empty(h: Harness) -> None:
 def make_harness(
     model_dir: str, namespace: str, num_blocks: int = 64, events: bool = False, **extra: Any
 ) -> Harness:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVEventsConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -180,30 +171,7 @@ def make_harness(
 
     from kvray.connector import KVRayConnector
 
-    model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=512,
-            max_model_len=1024,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-            async_scheduling=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVRayConnector",
-            kv_connector_module_path="kvray.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"namespace": namespace, **extra},
-        ),
-        device_config=DeviceConfig("cpu"),
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-        if events
-        else None,
-    )
+    vllm_config = scheduler_vllm_config(model_dir, namespace, events=events, **extra)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,

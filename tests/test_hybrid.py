@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 import torch
 
-from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama
+from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama, scheduler_vllm_config
 
 pytestmark = [pytest.mark.vllm]
 
@@ -193,14 +193,6 @@ class Hybrid:
 
 
 def hybrid_config(model_dir: str, namespace: str, **extra: Any) -> tuple[Any, Any]:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -208,27 +200,7 @@ def hybrid_config(model_dir: str, namespace: str, **extra: Any) -> tuple[Any, An
         SlidingWindowSpec,
     )
 
-    model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-            max_model_len=1024,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-            async_scheduling=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVRayConnector",
-            kv_connector_module_path="kvray.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"namespace": namespace, **extra},
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
+    vllm_config = scheduler_vllm_config(model_dir, namespace, max_num_batched_tokens=1024, **extra)
     spec = {
         "block_size": BLOCK_SIZE,
         "num_kv_heads": KV_HEADS,

@@ -38,7 +38,6 @@ def build_tiny_llama(
 
     Idempotent: an existing checkpoint with the same config is reused.
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(path)
@@ -57,13 +56,21 @@ def build_tiny_llama(
         eos_token_id=2,
         torch_dtype=dtype,
     )
+    return _write_random_checkpoint(out, LlamaForCausalLM, cfg, seed, dtype)
+
+
+def _write_random_checkpoint(out: Path, model_cls: Any, cfg: Any, seed: int, dtype: str) -> str:
+    """Write a random ``model_cls(cfg)`` checkpoint to ``out`` (idempotent: a checkpoint of the
+    same config there is reused) and return its path."""
+    import torch
+
     marker = out / "kvray_model.json"
     want = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
     if marker.exists() and marker.read_text() == want:
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    model = model_cls(cfg)
     # Larger-than-default init spreads the logits so greedy argmax ties are rare.
     with torch.no_grad():
         for p in model.parameters():
@@ -89,7 +96,6 @@ def build_tiny_gemma3(
 ) -> str:
     """A random float32 Gemma-3 text model: sliding-window and full-attention layers
     alternating (vLLM's hybrid manager gives each kind its KV cache group). Idempotent."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     out = Path(path)
@@ -111,20 +117,7 @@ def build_tiny_gemma3(
         pad_token_id=0,
         torch_dtype="float32",
     )
-    marker = out / "kvray_model.json"
-    want = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
-    if marker.exists() and marker.read_text() == want:
-        return str(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(out, safe_serialization=True)
-    marker.write_text(want)
-    return str(out)
+    return _write_random_checkpoint(out, Gemma3ForCausalLM, cfg, seed, "float32")
 
 
 def make_prompts(
@@ -186,6 +179,47 @@ def kvray_transfer_config(namespace: str, **extra: Any) -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"namespace": namespace, **extra},
     }
+
+
+def scheduler_vllm_config(
+    model_dir: str,
+    namespace: str,
+    *,
+    max_num_batched_tokens: int = 512,
+    events: bool = False,
+    **extra: Any,
+) -> Any:
+    """A ``VllmConfig`` for vLLM's real ``Scheduler`` on the CPU with kvray selected (``extra``:
+    its ``kv_connector_extra_config``; ``events``: KV cache events on, published nowhere)."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(**kvray_transfer_config(namespace, **extra)),
+        device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if events
+        else None,
+    )
 
 
 def engine_kwargs(
