@@ -45,6 +45,9 @@ __all__ = ["Subscriber"]
 
 #: How long a long poll waits for a change before answering empty.
 POLL_WAIT_S = 1.0
+#: Longest the feed thread blocks in one ``ray.wait`` on its polls: ``close`` (every store's,
+#: every engine's at shutdown) returns within it, not after the long poll's whole second.
+WAIT_SLICE_S = 0.1
 #: Least time between two polls of one shard: under a stream of changes each answer carries
 #: what piled up meanwhile, instead of one poll round trip per pool batch (8 subscribers
 #: polling 2 shards back to back cost more CPU than the index applying the changes).
@@ -198,6 +201,7 @@ class Subscriber:
             # Wake for an answer, or when the next shard is due to be polled again.
             due = [max(s.retry_at, s.next_poll) for s in self._shards if s.index not in issued]
             timeout = max(0.0, min(due) - time.monotonic()) if due else POLL_WAIT_S
+            timeout = min(timeout, WAIT_SLICE_S)
             if pending:
                 try:
                     ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
