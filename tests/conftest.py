@@ -8,6 +8,9 @@ with or without ``~/.ray/auth_token``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 os.environ["RAY_AUTH_MODE"] = "disabled"
 # Ray workers (and vLLM subprocesses) import test helpers by module name, as pytest does.
@@ -21,6 +24,37 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 try:
     import ray  # noqa: F401
 except ImportError:  # a bare CUDA machine (scripts/gpu_check.sh): the kernel tests only
-    pass
+    ray_fixtures = None
 else:
-    from ray_fixtures import kvray_ns, ray_cluster  # noqa: F401 -- fixtures, by name
+    import ray_fixtures
+    from ray_fixtures import kvray_ns, module_ns, ray_cluster  # noqa: F401 -- fixtures, by name
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Tell the namespace relay how many of the next tests take ``kvray_ns`` in a row (their
+    namespaces start while this test runs); a test without one first waits for the stops
+    behind it."""
+    relay = ray_fixtures.RELAY if ray_fixtures is not None else None
+    if relay is not None:
+        items = item.session.items
+        i = _index(items, item)
+        wanted = 0
+        for later in items[i + 1 : i + 1 + relay.AHEAD] if i is not None else []:
+            if "kvray_ns" not in getattr(later, "fixturenames", ()):
+                break
+            wanted += 1
+        relay.wanted_ahead = wanted
+        if "kvray_ns" not in getattr(item, "fixturenames", ()):
+            relay.settle()
+    yield
+
+
+_positions: dict[int, int] = {}
+
+
+def _index(items: list[pytest.Item], item: pytest.Item) -> int | None:
+    if len(_positions) != len(items):
+        _positions.clear()
+        _positions.update((id(x), n) for n, x in enumerate(items))
+    return _positions.get(id(item))

@@ -13,7 +13,9 @@ import os
 import random
 import socket
 import uuid
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -23,7 +25,7 @@ from ray.cluster_utils import Cluster
 import kvray
 from kvray.testing.cluster import simulated_cluster
 
-__all__ = ["kvray_ns", "ray_cluster", "started_namespace"]
+__all__ = ["RELAY", "NamespaceRelay", "kvray_ns", "module_ns", "ray_cluster", "started_namespace"]
 
 
 OBJECT_STORE_BYTES = 256 << 20
@@ -81,9 +83,13 @@ def ray_cluster() -> Iterator[Cluster]:
     ray.init(address=cluster.address, namespace="kvray-tests", log_to_driver=False)
     old_addr = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = cluster.address
+    global RELAY
+    RELAY = NamespaceRelay()
     try:
         yield cluster
     finally:
+        RELAY.close()
+        RELAY = None
         ray.shutdown()
         cluster.shutdown()
         for name, old in (("RAY_ADDRESS", old_addr), ("RAY_PROMETHEUS_HOST", old_prom)):
@@ -105,8 +111,94 @@ def started_namespace(prefix: str, **fields: Any) -> Iterator[str]:
         kvray.stop(ns)
 
 
+def _alive_nodes() -> frozenset[str]:
+    return frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+class NamespaceRelay:
+    """Fresh namespaces for ``kvray_ns``, started ahead of the tests and stopped behind them.
+
+    Starting a namespace is five new actor processes (~2 s here, mostly waiting on process
+    starts); stopping one ~1 s. Done in line, that was a quarter of the suite. The relay starts
+    the namespaces of the next tests (up to ``AHEAD``, only for tests that take ``kvray_ns``:
+    ``pytest_runtest_protocol`` in conftest.py says how many) while the current one runs, and
+    stops a test's namespace after it on a background thread. Every test still gets a
+    namespace no other test touched, started with the same fields. One started before the
+    cluster's nodes changed (a test removed or added one) is stopped and a new one started in
+    line, so its pools match the nodes the test sees; tests that take no ``kvray_ns`` first
+    wait for the stops behind them (some look at every actor in the cluster).
+    """
+
+    AHEAD = 2
+
+    def __init__(self) -> None:
+        self._threads = ThreadPoolExecutor(1 + self.AHEAD, thread_name_prefix="ns-relay")
+        self._ahead: deque[Future[tuple[str, frozenset[str]]]] = deque()
+        self._behind: list[Future[Any]] = []
+        self.wanted_ahead = 0  # set by conftest.py's hook before each test
+
+    @staticmethod
+    def _start() -> tuple[str, frozenset[str]]:
+        nodes = _alive_nodes()
+        ns = f"t{uuid.uuid4().hex[:10]}"
+        kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
+        return ns, nodes
+
+    def take(self) -> str:
+        while self._ahead:
+            try:
+                ns, nodes = self._ahead.popleft().result(timeout=120)
+            except Exception:  # started in line below; the test sees that error if any
+                continue
+            if nodes == _alive_nodes():
+                return ns
+            self.release(ns)
+        return self._start()[0]
+
+    def prefetch(self, n: int) -> None:
+        """Have ``n`` namespaces (at most ``AHEAD``) started or starting ahead."""
+        while len(self._ahead) < min(n, self.AHEAD):
+            self._ahead.append(self._threads.submit(self._start))
+
+    def release(self, ns: str) -> None:
+        self._behind = [f for f in self._behind if not f.done()]
+        self._behind.append(self._threads.submit(kvray.stop, ns))
+
+    def settle(self) -> None:
+        """Wait for the namespaces stopping behind (each bounded by ``kvray.stop``'s own)."""
+        behind, self._behind = self._behind, []
+        for f in behind:
+            with contextlib.suppress(Exception):
+                f.result(timeout=120)
+
+    def close(self) -> None:
+        while self._ahead:
+            with contextlib.suppress(Exception):
+                self.release(self._ahead.popleft().result(timeout=120)[0])
+        self.settle()
+        self._threads.shutdown(wait=True)
+
+
+#: The session's relay (made by ``ray_cluster``; None outside a Ray session).
+RELAY: NamespaceRelay | None = None
+
+
+@pytest.fixture(scope="module")
+def module_ns(ray_cluster: Cluster) -> Iterator[str]:
+    """One kvray namespace for a whole module, for tests that touch only keys of their own
+    (random ones) and count nothing namespace-wide."""
+    with started_namespace("m") as ns:
+        yield ns
+
+
 @pytest.fixture
 def kvray_ns(ray_cluster: Cluster) -> Iterator[str]:
-    """A fresh kvray namespace, started for one test and stopped after it."""
-    with started_namespace("t") as ns:
+    """A fresh kvray namespace for one test (64 MiB a pool, health checks every 0.5 s), no
+    other test's: started ahead of it and stopped after it by :class:`NamespaceRelay`."""
+    assert RELAY is not None
+    ns = RELAY.take()
+    RELAY.prefetch(RELAY.wanted_ahead)
+    try:
         yield ns
+    finally:
+        RELAY.release(ns)

@@ -44,10 +44,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_list_put_reads_back_bytes_equal(kvray_ns: str, case: str) -> None:
+def test_list_put_reads_back_bytes_equal(module_ns: str, case: str) -> None:
     blocks = CASES[case]
     keys = _keys(len(blocks))
-    store = kvray.connect(kvray_ns)
+    store = kvray.connect(module_ns)
     result = store.put(keys, blocks).result(timeout=60)
     assert result.stored == len(blocks)
     store.sync()
