@@ -1,7 +1,8 @@
 """A tiny random Gemma-3 (sliding-window and full-attention layers alternating) end to end on
-CPU with vLLM's hybrid KV cache manager on: kvray keeps greedy tokens identical, a fresh engine
-loads every prompt's whole prefix, and the KV bytes kvray stores and loads per request are
-compared with the same model with the hybrid manager off (one group for every layer)."""
+CPU with vLLM's hybrid KV cache manager on: kvray keeps greedy tokens identical, an engine
+whose own prefix cache was emptied loads every prompt's whole prefix, and the KV bytes kvray
+stores and loads per request are compared with the same model with the hybrid manager off
+(one group for every layer)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,38 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), sliding_window=128)
 
 
-def _run(model: str, ns: str, hybrid: bool, one_by_one: bool = False) -> dict[str, Any]:
-    """One engine's generation; its groups, tokens, cached tokens and transfer counters
-    (``one_by_one``: each prompt alone, vLLM's own prefix cache emptied before it, so every
+def _phase(llm: Any, one_by_one: bool) -> dict[str, Any]:
+    """One round of the prompts on ``llm``, vLLM's own prefix cache emptied first (so what it
+    does not find in kvray it computes); its tokens, cached tokens and the transfer counters
+    so far (``one_by_one``: each prompt alone, the cache emptied before each, so every
     request's figures are what it loads from kvray)."""
+    out = []
+    for batch in [[p] for p in PROMPTS] if one_by_one else [PROMPTS]:
+        finish_delayed_frees(llm)
+        assert llm.reset_prefix_cache()
+        out += generate(llm, batch)
+    finish_delayed_frees(llm)
+    worker = worker_connector_of(llm).worker
+    worker.flush()
+    conn = connector_of(llm)
+    conn.store.sync()
+    # What the scheduler was told, and what the worker has not reported yet (puts that ended
+    # after the last step).
+    c = conn.scheduler.counters.add(worker.counters())
+    return {
+        "tokens": token_ids(out),
+        "cached": cached_tokens(out),
+        **{k: getattr(c, k) for k in COUNTERS},
+    }
+
+
+COUNTERS = ("stored_bytes", "loaded_bytes", "stored_blocks", "loaded_blocks")
+
+
+def _run(model: str, ns: str, hybrid: bool) -> list[dict[str, Any]]:
+    """One engine, three rounds: the prompts together (stored), each alone (every prefix
+    loaded from kvray), the three together again (vLLM's own cache shares what the first
+    loads). Each round's counters are its own."""
     from vllm import LLM
 
     ktc = kvray_transfer_config(ns, capacity="128MiB", get_timeout_s=10)
@@ -54,32 +83,14 @@ def _run(model: str, ns: str, hybrid: bool, one_by_one: bool = False) -> dict[st
         **engine_kwargs(model, kv_transfer_config=ktc, disable_hybrid_kv_cache_manager=not hybrid)
     )
     try:
-        if one_by_one:
-            out = []
-            for p in PROMPTS:
-                finish_delayed_frees(llm)
-                assert llm.reset_prefix_cache()
-                out += generate(llm, [p])
-        else:
-            out = generate(llm, PROMPTS)
-        finish_delayed_frees(llm)
-        worker = worker_connector_of(llm).worker
-        worker.flush()
-        conn = connector_of(llm)
-        conn.store.sync()
         groups = scheduler_of(llm).kv_cache_config.kv_cache_groups
-        # What the scheduler was told, and what the worker has not reported yet (puts that
-        # ended after the last step).
-        c = conn.scheduler.counters.add(worker.counters())
-        return {
-            "groups": [type(g.kv_cache_spec).__name__ for g in groups],
-            "tokens": token_ids(out),
-            "cached": cached_tokens(out),
-            "stored_bytes": c.stored_bytes,
-            "loaded_bytes": c.loaded_bytes,
-            "stored_blocks": c.stored_blocks,
-            "loaded_blocks": c.loaded_blocks,
-        }
+        rounds, before = [], dict.fromkeys(COUNTERS, 0)
+        for one_by_one in (False, True, False):
+            r = _phase(llm, one_by_one)
+            rounds.append({**r, **{k: r[k] - before[k] for k in COUNTERS}})
+            before = {k: r[k] for k in COUNTERS}
+        rounds[0]["groups"] = [type(g.kv_cache_spec).__name__ for g in groups]
+        return rounds
     finally:
         close_llm(llm)
 
@@ -98,9 +109,7 @@ def test_gemma3_hybrid_manager_on_identical_tokens_full_hits_and_fewer_bytes(
     for hybrid in (True, False):
         ns = f"hyb{uuid.uuid4().hex[:8]}"
         try:
-            first = _run(gemma, ns, hybrid)
-            second = _run(gemma, ns, hybrid, one_by_one=True)  # every prefix from kvray
-            batch = _run(gemma, ns, hybrid)  # the three at once: vLLM's own cache shares
+            first, second, batch = _run(gemma, ns, hybrid)
         finally:
             kvray.stop(ns)
         assert first["tokens"] == reference and second["tokens"] == reference
