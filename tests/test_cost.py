@@ -150,6 +150,7 @@ def _step_times(h: Any, steps: int) -> list[float]:
     return times
 
 
+@pytest.mark.slow
 def test_scheduler_step_under_a_change_stream(
     harness_factory: Any,  # noqa: F811
     kvray_ns: str,

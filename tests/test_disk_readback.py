@@ -220,6 +220,7 @@ def _remote_reader(ns: str, keys: list[bytes], rounds: int, seed: int) -> list[t
     return out
 
 
+@pytest.mark.slow
 def test_four_threads_and_a_task_on_another_node_read_ram_and_disk_at_once(
     dep: Deployment,
 ) -> None:
@@ -327,6 +328,7 @@ def _scrape(ns: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_failed_disk_reads_name_their_cause(ray_cluster: Cluster, tmp_path: Path) -> None:
     """RAM 4 MiB of 1 MiB segments (4 blocks each). ``no_room``: a reader holds RAM and reads
     from files up to their bound; a read that cannot wait that out fails saying so, then

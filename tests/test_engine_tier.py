@@ -305,6 +305,7 @@ def test_reports_reach_another_view_evictions_and_stops_remove_them(kvray_ns: st
         store.close()
 
 
+@pytest.mark.slow
 def test_a_view_without_the_engine_tier_is_neither_fed_nor_woken_by_engine_churn(
     kvray_ns: str,
 ) -> None:
@@ -364,6 +365,7 @@ class _Engine:
         return self.rep.reports
 
 
+@pytest.mark.slow
 def test_a_killed_engines_entries_expire(kvray_ns: str) -> None:
     pytest.importorskip("vllm")
     conv = _hashes(6, 9)

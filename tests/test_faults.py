@@ -306,6 +306,7 @@ def test_bad_reads_and_closed_stores_fail_at_once(bad_input_ns: str) -> None:
 # ====================================================================== item 4: index restart
 
 
+@pytest.mark.slow
 def test_puts_never_wait_for_a_restarting_index(kvray_ns: str) -> None:
     """An index shard crashes (Ray restarts it): puts keep landing in the local pool by name
     while it restarts and right after (a new client too), and the restarted shard rebuilds
@@ -416,6 +417,7 @@ def test_dropped_blocks_free_their_bytes_with_their_segment(kvray_ns: str) -> No
 # ====================================================================== item 12: pool leases
 
 
+@pytest.mark.slow
 def test_a_dead_readers_leases_expire_and_the_queue_stays_bounded(ray_cluster: Cluster) -> None:
     """Leases a reader never returns (it died) expire after ``lease_timeout_s``: the pool's
     active leases drop to 0 and its segments can be evicted again; the expiry queue of a pool

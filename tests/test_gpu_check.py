@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 BLOCKER = '''
@@ -31,6 +33,7 @@ sys.meta_path.insert(0, _Absent())
 '''
 
 
+@pytest.mark.slow
 def test_gpu_check_skips_cleanly_without_cuda_ray_or_vllm(tmp_path: Path) -> None:
     site = tmp_path / "site"
     site.mkdir()

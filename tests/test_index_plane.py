@@ -127,6 +127,7 @@ def sharded_ns(ray_cluster: Cluster) -> Iterator[str]:
         yield ns
 
 
+@pytest.mark.slow
 def test_sharded_index_rebuilds_one_shard_and_purges_a_lost_node(
     sharded_ns: str, ray_cluster: Cluster
 ) -> None:
@@ -182,6 +183,7 @@ def test_sharded_index_rebuilds_one_shard_and_purges_a_lost_node(
     store.close()
 
 
+@pytest.mark.slow
 def test_a_view_of_a_stopped_index_is_cleared_and_reconnects(ray_cluster: Cluster) -> None:
     """An index shard killed for good: the view forgets its blocks at once (no lookup may
     report blocks nobody can vouch for), and finds the index again when kvray is restarted."""

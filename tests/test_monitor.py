@@ -315,6 +315,7 @@ def _value(url: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if len(result) == 1 else None
 
 
+@pytest.mark.slow
 @needs_prometheus
 def test_prometheus_returns_kvray_series_with_the_right_values(
     prometheus: Monitor, traffic: Traffic
@@ -384,7 +385,7 @@ def test_chromium_shows_kvray_in_the_dashboard_and_a_prometheus_graph(
 ) -> None:
     binary = chromium_binary()
     assert binary is not None
-    ns = traffic.namespace
+    ns, n = traffic.namespace, len(traffic.nodes)
     names = [f"{ns}/control", f"{ns}/index/0"] + [f"{ns}/pool/{node}" for node in traffic.nodes]
     dashboard = f"http://{ray._private.worker.get_dashboard_url()}/#/actors"
     series = f'sum by (node_id) (ray_kvray_pool_bytes_used{{namespace="{ns}"}})'
@@ -395,6 +396,10 @@ def test_chromium_shows_kvray_in_the_dashboard_and_a_prometheus_graph(
     console = f"{prometheus.url}/classic/graph?" + urllib.parse.urlencode(
         {"g0.expr": total, "g0.tab": "1"}
     )
+    # The graph page queries once, when it opens: wait until Prometheus has scraped every
+    # pool's series (without this the test passed only after the test above had waited).
+    count = f'count(ray_kvray_pool_bytes_used{{namespace="{ns}"}})'
+    _wait("Prometheus has every pool's series", lambda: _value(prometheus.url, count) == n)
     shots = tmp_path / "screenshots"
     shots.mkdir()
     with Browser(binary, tmp_path / "chromium-profile") as browser:
@@ -458,6 +463,7 @@ def _row(screen: str, node_id: str) -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 @needs_tmux
 def test_status_watch_in_tmux_updates_and_exits_0_on_ctrl_c(kvray_ns: str, tmp_path: Path):
     # A trap (not an ignore) keeps the shell alive through Ctrl-C to print kvray's status,

@@ -119,6 +119,7 @@ def _setup(ns: str, n_segments: int = 1) -> tuple[list[list[bytes]], Any, Any, s
     return segs, reader, pool, _node("node_b")
 
 
+@pytest.mark.slow
 def test_partial_remote_read_moves_only_what_it_loads(kvray_ns: str) -> None:
     (keys,), reader, pool, node_b = _setup(kvray_ns)
     expected = _digests(_blocks(SEGMENT, 0))

@@ -164,6 +164,7 @@ def test_leased_blocks_are_not_evicted_and_unfit_puts_are_refused(kvray_ns: str)
     store.close()
 
 
+@pytest.mark.slow
 def test_pool_serves_blocks_after_writer_exits(kvray_ns: str) -> None:
     @ray.remote(num_cpus=0, resources={"node_a": 0.01})
     class Writer:
@@ -325,6 +326,7 @@ def test_put_rejects_bad_input(kvray_ns: str) -> None:
     store.close()
 
 
+@pytest.mark.slow
 def test_index_restart_restores_entries_from_pools(kvray_ns: str) -> None:
     store = kvray.connect(kvray_ns)
     keys = _keys(10)
@@ -342,6 +344,7 @@ def test_index_restart_restores_entries_from_pools(kvray_ns: str) -> None:
     store.close()
 
 
+@pytest.mark.slow
 def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluster) -> None:
     node = ray_cluster.add_node(num_cpus=1, object_store_memory=128 << 20, resources={"node_c": 1})
     ray_cluster.wait_for_nodes()

@@ -322,6 +322,7 @@ def _filled_store(ns: str, tag: str, n: int = 8) -> tuple[kvray.Store, list[byte
     return store, keys
 
 
+@pytest.mark.slow
 def test_a_dead_feed_loop_is_restarted_after_its_view_is_cleared(kvray_ns: str) -> None:
     store, keys = _filled_store(kvray_ns, "restart")
     feed = store.feed
