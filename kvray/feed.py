@@ -201,10 +201,11 @@ class Subscriber:
             # Wake for an answer, or when the next shard is due to be polled again.
             due = [max(s.retry_at, s.next_poll) for s in self._shards if s.index not in issued]
             timeout = max(0.0, min(due) - time.monotonic()) if due else POLL_WAIT_S
-            timeout = min(timeout, WAIT_SLICE_S)
             if pending:
                 try:
-                    ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+                    ready, _ = ray.wait(
+                        list(pending), num_returns=1, timeout=min(timeout, WAIT_SLICE_S)
+                    )
                 except Exception:
                     if self._closed.is_set() or not ray.is_initialized():
                         return
