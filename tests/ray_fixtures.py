@@ -99,12 +99,16 @@ def ray_cluster() -> Iterator[Cluster]:
                 os.environ[name] = old
 
 
+#: What every test namespace is started with unless a test says otherwise.
+NAMESPACE_FIELDS: dict[str, Any] = {"capacity": "64MiB", "health_check_interval_s": 0.5}
+
+
 @contextlib.contextmanager
 def started_namespace(prefix: str, **fields: Any) -> Iterator[str]:
     """A fresh kvray namespace (``prefix`` and 10 hex digits) started with ``fields`` (by
-    default 64 MiB a pool and health checks every 0.5 s), stopped when the block ends."""
+    default :data:`NAMESPACE_FIELDS`), stopped when the block ends."""
     ns = f"{prefix}{uuid.uuid4().hex[:10]}"
-    kvray.start(namespace=ns, **{"capacity": "64MiB", "health_check_interval_s": 0.5, **fields})
+    kvray.start(namespace=ns, **{**NAMESPACE_FIELDS, **fields})
     try:
         yield ns
     finally:
@@ -141,7 +145,7 @@ class NamespaceRelay:
     def _start() -> tuple[str, frozenset[str]]:
         nodes = _alive_nodes()
         ns = f"t{uuid.uuid4().hex[:10]}"
-        kvray.start(namespace=ns, capacity="64MiB", health_check_interval_s=0.5)
+        kvray.start(namespace=ns, **NAMESPACE_FIELDS)
         return ns, nodes
 
     def take(self) -> str:
@@ -193,8 +197,8 @@ def module_ns(ray_cluster: Cluster) -> Iterator[str]:
 
 @pytest.fixture
 def kvray_ns(ray_cluster: Cluster) -> Iterator[str]:
-    """A fresh kvray namespace for one test (64 MiB a pool, health checks every 0.5 s), no
-    other test's: started ahead of it and stopped after it by :class:`NamespaceRelay`."""
+    """A fresh kvray namespace for one test (:data:`NAMESPACE_FIELDS`), no other test's:
+    started ahead of it and stopped after it by :class:`NamespaceRelay`."""
     assert RELAY is not None
     ns = RELAY.take()
     RELAY.prefetch(RELAY.wanted_ahead)

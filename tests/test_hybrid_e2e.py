@@ -44,6 +44,10 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), sliding_window=128)
 
 
+#: The transfer counters each round reports (its own: the engine's totals less the rounds before).
+COUNTERS = ("stored_bytes", "loaded_bytes", "stored_blocks", "loaded_blocks")
+
+
 def _phase(llm: Any, one_by_one: bool) -> dict[str, Any]:
     """One round of the prompts on ``llm``, vLLM's own prefix cache emptied first (so what it
     does not find in kvray it computes); its tokens, cached tokens and the transfer counters
@@ -67,9 +71,6 @@ def _phase(llm: Any, one_by_one: bool) -> dict[str, Any]:
         "cached": cached_tokens(out),
         **{k: getattr(c, k) for k in COUNTERS},
     }
-
-
-COUNTERS = ("stored_bytes", "loaded_bytes", "stored_blocks", "loaded_blocks")
 
 
 def _run(model: str, ns: str, hybrid: bool) -> list[dict[str, Any]]:
