@@ -434,6 +434,40 @@ def test_purge_deletes_every_file_of_the_namespace_but_live_slots(tmp_path) -> N
         owner.purge()
 
 
+def test_purge_waits_for_the_write_under_way_and_leaves_no_file(tmp_path, monkeypatch) -> None:
+    """A segment mid-write when purge starts: purge returns only after the writer ended it
+    (and deleted its file), so the slot holds no segment file when purge returns."""
+    from kvray.disk import spiller
+
+    writing, release = threading.Event(), threading.Event()
+    real = spiller.write_files
+
+    def slow_write(slot, files):  # type: ignore[no-untyped-def]
+        writing.set()
+        assert release.wait(30)
+        return real(slot, files)
+
+    monkeypatch.setattr(spiller, "write_files", slow_write)
+    tier = DiskTier(tmp_path, "ns", 8 * MiB)
+    tier.scan()
+    tier.start()
+    assert tier.spill(*make_segment(np.random.default_rng(11), 2, 4096, "array"))
+    assert writing.wait(30)
+    result: list[int] = []
+    purger = threading.Thread(target=lambda: result.append(tier.purge()))
+    purger.start()
+    purger.join(0.3)
+    assert purger.is_alive()  # it waits for the write under way
+    release.set()
+    purger.join(30)
+    assert result == [0]  # the writer deleted its own file: nothing left for purge
+    assert os.listdir(tier.dir) == [".lock"]
+    assert tier.stats()["disk_files"] == 0 and tier.stats()["disk_skipped"] == 2
+    with pytest.raises(ValueError, match="timeout"):
+        tier.purge(timeout=-1)
+    assert tier.close(timeout=60)
+
+
 def test_arguments_are_checked(tmp_path) -> None:
     with pytest.raises(ConfigError, match="disk_capacity"):
         DiskTier(tmp_path, "ns", "512KiB")

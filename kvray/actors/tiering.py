@@ -143,7 +143,7 @@ class Tiering:
             return 0
         deleted = 0
         if purge:
-            deleted = tier.purge()
+            deleted = tier.purge(timeout)
             with self._lock:
                 removed = Removed()
                 for seg_id, seg in list(self._state.segments.items()):

@@ -41,6 +41,7 @@ class TierBook:
     def __init__(self, capacity: int, max_files: int, next_id: int) -> None:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)  # a spill queued, or closing
+        self.idle = threading.Condition(self.lock)  # pending went down (a group ended)
         self.files = FileIndex(capacity, max_files)
         self.queue: deque[Job] = deque()
         self.pending = 0  # payload bytes queued or being written
@@ -136,6 +137,7 @@ class SpillWriter:
                 self.events.dropped([j.tag for j in jobs if id(j) not in landed])
                 with book.lock:
                     book.pending -= group
+                    book.idle.notify_all()
 
     def _write_group(self, jobs: list[Job], landed: set[int]) -> None:
         """Build the files of a group of queued segments, then write them in chunks that fit;

@@ -236,10 +236,14 @@ class DiskTier:
         unlink(seg.path)
         return held is not None
 
-    def purge(self) -> int:
+    def purge(self, timeout: float = 30.0) -> int:
         """Delete every segment file of the namespace on this host: this slot's, queued
         writes, and those of slots no live tier holds. Returns the number of files deleted.
-        No callbacks; the tier stays usable (empty) until closed."""
+        A write already under way is waited for (up to ``timeout`` s), so none of this slot's
+        files is left when it returns; one still writing after that deletes its own file when
+        it ends. No callbacks; the tier stays usable (empty) until closed."""
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+            raise ValueError(f"DiskTier.purge: timeout must be seconds >= 0, got {timeout!r}")
         with self._lock:
             if self._book.closing:
                 raise KVRayError("DiskTier.purge: the tier is closed (purge before close)")
@@ -247,6 +251,14 @@ class DiskTier:
             self._book.drop_queue()
             self._book.counters.removed += self._book.files.clear()
             self._scanned = True
+            # What is still pending is the group being written: it sees the new generation
+            # and deletes its files when it ends.
+            if not self._book.idle.wait_for(lambda: self._book.pending == 0, timeout):
+                logger.warning(
+                    "kvray disk tier: a write still runs %.1f s into a purge; it deletes its "
+                    "own files when it ends",
+                    timeout,
+                )
         deleted = self._slot.purge()
         logger.info("kvray disk tier: purged %d file(s) under %s", deleted, self.base)
         return deleted
