@@ -154,12 +154,13 @@ class BlockPool:
         nshards: np.ndarray,
         sizes: np.ndarray,
         checksums: np.ndarray,
-        payload: list[ObjectRef],
+        payload: list[Any],
     ) -> PutResult:
         """Take ownership of the new blocks of one client segment.
 
         ``payload`` is a one-element list so Ray hands us the ref instead of resolving it: we
-        read it zero-copy and copy only the blocks we keep.
+        read it zero-copy and copy only the blocks we keep. A small segment comes by value
+        instead (the blocks themselves, see :data:`~kvray.meta.messages.INLINE_BYTES`).
         """
         t0 = time.perf_counter()
         meta = SegmentMeta(key_blob, key_offsets, ids, shards, nshards, sizes, checksums)
@@ -219,9 +220,13 @@ class BlockPool:
         self._metrics.stored(stored, need, time.perf_counter() - t0, used)
         return PutResult(stored, duplicate + late_dups, refused + collided)
 
-    def _copy(self, payload: ObjectRef, meta: SegmentMeta, chosen: np.ndarray) -> Any:
-        """Map the client's segment and copy the chosen blocks into an object we own."""
-        arrays = ray.get(payload, timeout=self._get_timeout_s)
+    def _copy(self, payload: Any, meta: SegmentMeta, chosen: np.ndarray) -> Any:
+        """Map the client's segment (or take the blocks it sent by value) and copy the chosen
+        blocks into an object we own."""
+        if isinstance(payload, ObjectRef):
+            arrays = ray.get(payload, timeout=self._get_timeout_s)
+        else:
+            arrays = payload
         own = meta.select(arrays, chosen)
         ref = ray.put(own)
         del arrays, own
@@ -235,13 +240,16 @@ class BlockPool:
         shards: np.ndarray | int,
         timeout: float | None = None,
         remote: bool = False,
+        inline: int = 0,
     ) -> LeaseReply:
         """Locate blocks (by id, then full key) and protect their segments from eviction
         until released; a key whose id matches another key's block reads as not found.
         Blocks held only on disk are promoted back to RAM, or served from their file when RAM
         is all leased (:mod:`.promote`), outside the lock, within ``timeout`` (the reader's
         time left; default ``get_timeout_s``). ``remote``: a reader on another node gets a
-        fresh object of just its blocks, not a segment it reads little of (:mod:`.slices`)."""
+        fresh object of just its blocks, not a segment it reads little of (:mod:`.slices`).
+        ``inline``: when the blocks served from RAM come to at most this many bytes, they come
+        back in the reply itself, unleased (:func:`.slices.inline`)."""
         left = self._get_timeout_s if timeout is None else max(0.0, float(timeout))
         deadline = time.monotonic() + 0.8 * left  # the reply must reach the reader in time
         pids = shard_ids(np.asarray(ids, dtype=np.uint64), shards)
@@ -281,7 +289,10 @@ class BlockPool:
                     reads.pin_more(direct, pins)
             if direct and reads is not None:
                 held, refs = reads.serve(reply, direct, deadline)
-            cut, copied = slices.cut(reply, whole, deadline) if remote and whole else ([], 0)
+            cut, inlined = slices.inline(reply, inline, deadline) if inline else ([], 0)
+            copied = 0
+            if remote and whole and not inlined:
+                cut, copied = slices.cut(reply, whole, deadline)
         finally:
             with self._lock:
                 st.unlease(pins)
@@ -294,11 +305,15 @@ class BlockPool:
             st.counters.misses += missing
             st.unlease(cut)  # served from objects of their own: no lease needed
             st.counters.sliced_bytes += copied
+            st.counters.inlined_bytes += inlined
+            st.counters.served_bytes += inlined  # no lease comes back to count them
             mine = [s for s in reply.segments if s > 0 and s not in cut]
             if mine or held or refs:
                 self._leases.add(reply.lease_id, mine, held, refs)
                 st.counters.leases += 1
         self._metrics.looked_up(found, missing)
+        if inlined:
+            self._metrics.served(inlined)
         return reply
 
     def release_many(self, leases: list[tuple[int, int]]) -> None:

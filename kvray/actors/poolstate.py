@@ -63,6 +63,7 @@ STATS_COUNTERS = (
     "stored_bytes",
     "served_bytes",
     "sliced_bytes",
+    "inlined_bytes",
     "puts",
 )
 
@@ -82,6 +83,7 @@ class Counters:
     stored_bytes: int = 0
     served_bytes: int = 0
     sliced_bytes: int = 0  # copied into objects of their own for readers on other nodes
+    inlined_bytes: int = 0  # small reads answered by value, in the lease's reply
     puts: int = 0
     leases: int = 0
     promoted: int = 0  # read back from disk into RAM

@@ -29,7 +29,7 @@ import ray
 
 from kvray.meta.messages import LeaseReply
 
-__all__ = ["WHOLE_ABOVE", "cut", "take"]
+__all__ = ["WHOLE_ABOVE", "cut", "inline", "take"]
 
 #: A remote reader asking for more than this fraction of a segment's bytes gets it whole.
 WHOLE_ABOVE = 0.8
@@ -45,6 +45,33 @@ def take(payload: Any, positions: list[int]) -> Any:
     return [payload[p] for p in positions]
 
 
+def _asked(reply: LeaseReply) -> dict[int, list[int]]:
+    """Key indexes of ``reply`` by the pool segment (id > 0) that serves them."""
+    asked: dict[int, list[int]] = {}
+    seg_ids = reply.seg_ids
+    for i in np.flatnonzero(seg_ids > 0).tolist():
+        asked.setdefault(int(seg_ids[i]), []).append(i)
+    return asked
+
+
+def _blocks_of(reply: LeaseReply, seg_id: int, idx: list[int], deadline: float) -> Any:
+    """The blocks keys ``idx`` ask of segment ``seg_id``, positions remapped to 0..n-1 in the
+    reply; None (the keys read as missing, with the reason) when the segment's object is lost."""
+    order = np.argsort(reply.positions[idx], kind="stable")
+    positions = reply.positions[idx][order].tolist()
+    try:
+        payload = ray.get(reply.segments[seg_id], timeout=max(0.0, deadline - time.monotonic()))
+        blocks = take(payload, positions)
+    except Exception as e:  # the pool's own object is gone: nothing to serve from it
+        for i in idx:
+            reply.seg_ids[i] = 0
+            reply.reasons[i] = f"object lost ({type(e).__name__})"
+        del reply.segments[seg_id]
+        return None
+    reply.positions[np.asarray(idx)[order]] = np.arange(len(idx))
+    return blocks
+
+
 def cut(reply: LeaseReply, whole: dict[int, int], deadline: float) -> tuple[list[int], int]:
     """Replace in ``reply`` each segment (id > 0; ``whole``: its object's bytes) of which at
     most :data:`WHOLE_ABOVE` of the bytes are asked for by a fresh object of the asked blocks.
@@ -52,31 +79,41 @@ def cut(reply: LeaseReply, whole: dict[int, int], deadline: float) -> tuple[list
     Returns the ids of the segments no longer named in ``reply`` (their leases can go) and the
     bytes copied. A segment whose object cannot be read (lost) is not served: its keys read
     as missing, with the reason."""
-    asked: dict[int, list[int]] = {}
-    seg_ids = reply.seg_ids
-    for i in np.flatnonzero(seg_ids > 0).tolist():
-        asked.setdefault(int(seg_ids[i]), []).append(i)
     gone: list[int] = []
     copied = 0
-    for seg_id, idx in asked.items():
+    for seg_id, idx in _asked(reply).items():
         nbytes = int(reply.nbytes[idx].sum())
         if nbytes > WHOLE_ABOVE * whole.get(seg_id, 0):
             continue
-        order = np.argsort(reply.positions[idx], kind="stable")
-        positions = reply.positions[idx][order].tolist()
-        try:
-            payload = ray.get(reply.segments[seg_id], timeout=max(0.0, deadline - time.monotonic()))
-            ref = ray.put(take(payload, positions))
-            del payload
-        except Exception as e:  # the pool's own object is gone: nothing to serve from it
-            for i in idx:
-                seg_ids[i] = 0
-                reply.reasons[i] = f"object lost ({type(e).__name__})"
-            del reply.segments[seg_id]
-            gone.append(seg_id)
-            continue
-        reply.segments[seg_id] = ref
-        reply.positions[np.asarray(idx)[order]] = np.arange(len(idx))
+        blocks = _blocks_of(reply, seg_id, idx, deadline)
         gone.append(seg_id)
+        if blocks is None:
+            continue
+        reply.segments[seg_id] = ray.put(blocks)
         copied += nbytes
     return gone, copied
+
+
+def inline(reply: LeaseReply, limit: int, deadline: float) -> tuple[list[int], int]:
+    """When the blocks ``reply`` serves from RAM segments add up to at most ``limit`` bytes,
+    move them into the reply itself (``reply.inline``; see
+    :data:`~kvray.meta.messages.INLINE_BYTES`): the reader gets them in the call's answer,
+    with no object to fetch and no lease to give back. Returns what :func:`cut` does; nothing
+    changes (``[], 0``) above ``limit``."""
+    asked = _asked(reply)
+    total = sum(int(reply.nbytes[idx].sum()) for idx in asked.values())
+    if not asked or total > limit:
+        return [], 0
+    copied = 0
+    for seg_id, idx in asked.items():
+        blocks = _blocks_of(reply, seg_id, idx, deadline)
+        if blocks is None:
+            continue
+        del reply.segments[seg_id]
+        # A copy: the reply must not point into a segment the pool may evict meanwhile.
+        if isinstance(blocks, np.ndarray):
+            reply.inline[seg_id] = np.array(blocks)
+        else:
+            reply.inline[seg_id] = [np.array(b) for b in blocks]
+        copied += int(reply.nbytes[idx].sum())
+    return list(asked), copied

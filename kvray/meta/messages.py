@@ -20,6 +20,13 @@ if TYPE_CHECKING:
 RAY_NAMESPACE = "kvray"
 """Every kvray actor lives in this Ray namespace; a kvray namespace is a name prefix inside it."""
 
+INLINE_BYTES = 96 << 10
+"""Block bytes that travel inside the call itself: a put segment or a read of at most this many
+bytes goes by value (Ray inlines an argument or a return value under its
+``max_direct_call_object_size``, 100 KiB by default) instead of through the object store,
+which costs a ``ray.put`` and an owner's lookup on each side (measured on a 2-core node: a
+96 KiB argument 1.7 ms a call, the same by ``ray.put`` and ref 3.6 ms)."""
+
 
 def control_name(namespace: str) -> str:
     return f"{namespace}/control"
@@ -71,6 +78,9 @@ class LeaseReply:
     segments: dict[int, ObjectRef] = field(default_factory=dict)
     #: Why a held key was not served (a corrupt or unreadable file, no room), by key index.
     reasons: dict[int, str] = field(default_factory=dict)
+    #: Segments served by value (a small read, see :data:`INLINE_BYTES`): id -> the blocks
+    #: asked for, in the order of their (remapped) positions; no lease holds them.
+    inline: dict[int, object] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, lease_id: int, n: int) -> LeaseReply:
