@@ -525,6 +525,9 @@ def main() -> None:
                     if kv_cache == "kvray" else None,
                     router_kwargs=router_overrides.get(cfg),
                     ingress_options={"ray_actor_options": {"num_cpus": 0}},
+                    # --bind places each node's engines itself (a replica's runtime_env
+                    # would override the node's binding)
+                    **({"cpu_threads": False} if a.bind else {}),
                 )  # fmt: skip
                 t0 = time.perf_counter()
                 serve.run(app, name=APP, route_prefix="/")

@@ -492,6 +492,54 @@ def test_kv_cache_none_builds_the_same_app_without_kvray() -> None:
         build_llm_config("/models/m", kv_cache="lmcache")  # type: ignore[arg-type]
 
 
+def test_cpu_replicas_get_their_own_unbound_threads_and_a_users_env_wins() -> None:
+    from kvray.serving.app import BIND_ENV, build_llm_config
+
+    for kv_cache in ("kvray", "none"):  # the baseline without kvray gets the same
+        cfg = build_llm_config("/models/m", kv_cache=kv_cache, num_cpus=4)  # type: ignore[arg-type]
+        assert cfg.runtime_env["env_vars"] == {BIND_ENV: "nobind", "OMP_NUM_THREADS": "3"}
+    tp2 = build_llm_config("/models/m", num_cpus=8, engine_args={"tensor_parallel_size": 2})
+    assert tp2.runtime_env["env_vars"]["OMP_NUM_THREADS"] == "3"  # 4 a rank, less one
+    one = build_llm_config("/models/m", num_cpus=1)
+    assert one.runtime_env["env_vars"]["OMP_NUM_THREADS"] == "1"
+    mine = build_llm_config(
+        "/models/m",
+        num_cpus=4,
+        runtime_env={"env_vars": {BIND_ENV: "0-1", "X": "y"}, "pip": ["six"]},
+    )
+    assert mine.runtime_env["env_vars"] == {BIND_ENV: "0-1", "OMP_NUM_THREADS": "3", "X": "y"}
+    assert mine.runtime_env["pip"] == ["six"]
+    gpu = build_llm_config("/models/m", num_cpus=4, num_gpus=1)
+    assert not (gpu.runtime_env or {}).get("env_vars")
+    kept = build_llm_config("/models/m", num_cpus=4, cpu_threads=False)  # the nodes' binding
+    assert not (kept.runtime_env or {}).get("env_vars")
+
+
+def test_every_replicas_engine_runs_with_its_own_unbound_threads(served: Served) -> None:
+    """What build_app sets reaches the processes that run the forward pass: every process
+    under each replica (engine core, workers), read from /proc, not from the config."""
+    import os
+
+    import psutil
+    import ray
+
+    from kvray.serving.app import BIND_ENV
+
+    replicas = [
+        ray.get_actor(a["name"], namespace="serve")
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP}#LLMServer")
+    ]
+    assert len(replicas) == 2
+    for replica in replicas:
+        pid = ray.get(replica.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+        engine = psutil.Process(pid).children(recursive=True)
+        assert any("VLLM" in p.name() for p in engine), engine
+        for proc in engine:
+            env = proc.environ()
+            assert env.get(BIND_ENV) == "nobind" and env.get("OMP_NUM_THREADS") == "1", proc
+
+
 # ---------------------------------------------------------------- the engine tier and the score
 
 

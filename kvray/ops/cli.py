@@ -321,6 +321,14 @@ def serve(
         str | None,
         typer.Option(help="P:D: prefill/decode disaggregation, P prefill and D decode replicas"),
     ] = None,
+    cpu_threads: Annotated[
+        bool,
+        typer.Option(
+            help="CPU replicas: each engine its own share of unbound OpenMP threads (vLLM-CPU "
+            "otherwise binds every replica of a node to the same cores); --no-cpu-threads "
+            "keeps vLLM-CPU's binding or your nodes' VLLM_CPU_OMP_THREADS_BIND"
+        ),
+    ] = True,
 ) -> None:
     """vLLM's OpenAI server on Ray Serve LLM, kvray on every replica, routed by kvray."""
     from kvray.cluster import ensure_ray
@@ -342,6 +350,7 @@ def serve(
         router=router,
         kv_cache=kv_cache,
         pd=pd,
+        cpu_threads=cpu_threads,
     )
 
 
