@@ -443,6 +443,9 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--bind", default=True, action=argparse.BooleanOptionalAction,
                     help="each simulated node's vLLM workers on a core of their own")  # fmt: skip
+    ap.add_argument("--cpu-threads", default=True, action=argparse.BooleanOptionalAction,
+                    help="build_app's own thread share per replica (with --no-bind); "
+                    "--no-cpu-threads: vLLM-CPU's default binding")  # fmt: skip
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--isl", type=int, default=1500)
     ap.add_argument("--osl", type=int, default=16)
@@ -527,7 +530,7 @@ def main() -> None:
                     ingress_options={"ray_actor_options": {"num_cpus": 0}},
                     # --bind places each node's engines itself (a replica's runtime_env
                     # would override the node's binding)
-                    **({"cpu_threads": False} if a.bind else {}),
+                    cpu_threads=a.cpu_threads and not a.bind,
                 )  # fmt: skip
                 t0 = time.perf_counter()
                 serve.run(app, name=APP, route_prefix="/")
