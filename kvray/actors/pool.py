@@ -292,7 +292,8 @@ class BlockPool:
             cut, inlined = slices.inline(reply, inline, deadline) if inline else ([], 0)
             copied = 0
             if remote and whole and not inlined:
-                cut, copied = slices.cut(reply, whole, deadline)
+                sliced, copied = slices.cut(reply, whole, deadline)
+                cut += sliced  # (what inline found lost is not leased either)
         finally:
             with self._lock:
                 st.unlease(pins)
