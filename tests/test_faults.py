@@ -8,7 +8,6 @@ in-process kvray engine per load mode in one namespace of their own.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 from ray_fixtures import started_namespace
+from store_helpers import corrupt_in_plasma, wait_for
 
 import kvray
 from kvray.actors.leases import Leases
@@ -49,32 +49,9 @@ def _blocks(n: int, nbytes: int = BLOCK, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(1, 255, nbytes, dtype=np.uint8) for _ in range(n)]
 
 
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
 def _my_pool(ns: str) -> Any:
     me = ray.get_runtime_context().get_node_id()
     return ray.get_actor(pool_name(ns, me), namespace=RAY_NAMESPACE)
-
-
-def _corrupt_in_plasma(pool: Any, key: bytes, shard: int = 0) -> int:
-    """Flip bytes of a stored block in the object store's shared memory (a bad DIMM, a stray
-    write): the pool's own object, not a copy. Returns the segment's id."""
-    lease = ray.get(pool.lease.remote([key], key_ids([key]), shard))
-    seg_id, pos = int(lease.seg_ids[0]), int(lease.positions[0])
-    assert seg_id != 0, "the block to corrupt is not in this pool"
-    segment = ray.get(lease.segments[seg_id])
-    target = segment[pos]
-    ctypes.memset(target.ctypes.data + 1000, 0x5A, 16)
-    del segment, target
-    ray.get(pool.release.remote(lease.lease_id))
-    return seg_id
 
 
 # ====================================================================== item 1: errors cross Ray
@@ -148,7 +125,7 @@ def test_every_kvray_error_crosses_ray_get_as_itself(kvray_ns: str) -> None:
         node_a = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_a" in n["Resources"])
         pool_a = ray.get_actor(pool_name(kvray_ns, node_a), namespace=RAY_NAMESPACE)
         # (On node A itself: a read from here would corrupt a copy in the head's store.)
-        corrupt_on_a = ray.remote(num_cpus=0, resources={"node_a": 0.01})(_corrupt_in_plasma)
+        corrupt_on_a = ray.remote(num_cpus=0, resources={"node_a": 0.01})(corrupt_in_plasma)
         ray.get(corrupt_on_a.remote(pool_a, keys[2]), timeout=60)
         with pytest.raises(kvray.BlockLostError) as corrupt:
             ray.get(client.get.remote(keys), timeout=60)
@@ -326,7 +303,7 @@ def test_puts_never_wait_for_a_restarting_index(kvray_ns: str) -> None:
     restarted = threading.Event()
 
     def watch() -> None:
-        _wait_for(lambda: ray.get(index.current.remote(), timeout=30)[0] != epoch, 60, "restart")
+        wait_for(lambda: ray.get(index.current.remote(), timeout=30)[0] != epoch, 60, "restart")
         restarted.set()
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -344,9 +321,9 @@ def test_puts_never_wait_for_a_restarting_index(kvray_ns: str) -> None:
         put_one(fresh, 1000 + i)
         put_one(store, 2000 + i)
     keys = [k for k, _ in written]
-    _wait_for(lambda: (ray.get(index.locate.remote(key_ids(keys))) > 0).all(), 30, "the rebuild")
+    wait_for(lambda: (ray.get(index.locate.remote(key_ids(keys))) > 0).all(), 30, "the rebuild")
     for s in (store, fresh):
-        _wait_for(lambda s=s: s.lookup(keys) == len(keys), 30, "the views to catch up")
+        wait_for(lambda s=s: s.lookup(keys) == len(keys), 30, "the views to catch up")
         assert [a.tobytes() for a in s.get(keys)] == [b.tobytes() for _, b in written]
     fresh.close()
     store.close()
@@ -376,7 +353,7 @@ def test_get_returns_copies_that_outlive_eviction(kvray_ns: str) -> None:
         assert r.stored + r.refused == per
         s = ray.get(pool.stats.remote())
         assert s["bytes"] <= s["capacity"], s
-    _wait_for(lambda: store.lookup(keys) == 0, 20, "the first blocks to be evicted")
+    wait_for(lambda: store.lookup(keys) == 0, 20, "the first blocks to be evicted")
     assert ray.get(pool.stats.remote())["evictions"] >= 8
     assert [a.tobytes() for a in got] == [b.tobytes() for b in blocks]
     got[0][:] = 0  # ours to write
@@ -634,7 +611,7 @@ def _cold(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[
     assert sched.hit_tokens == hits and _counters(llm).loaded_blocks == loaded
     _settle(llm)
     for p in prompts:
-        _wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "the saves to be visible")
+        wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "the saves to be visible")
     return tokens
 
 
@@ -760,7 +737,7 @@ def test_index_restart_while_an_engine_serves(engines: Engines) -> None:
         tokens, _ = _warm(llm, prompts)
     assert tokens == ref
     assert during.loaded + during.failed == during.planned
-    _wait_for(lambda: ray.get(index.current.remote(), timeout=30)[0] != epoch, 60, "the restart")
+    wait_for(lambda: ray.get(index.current.remote(), timeout=30)[0] != epoch, 60, "the restart")
     # The engine's saves right after the restart: a new prompt set is stored, none refused.
     with _Delta(llm):
         fresh = _prompts(1, 100, 40)
@@ -768,7 +745,7 @@ def test_index_restart_while_an_engine_serves(engines: Engines) -> None:
         assert _cold(llm, fresh)  # waits until its blocks are visible
         assert _counters(llm).refused_blocks == refused
     for p in prompts:  # the rebuilt index lists the blocks stored before the crash
-        _wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "lookups to come back")
+        wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "lookups to come back")
     with _Delta(llm) as after:
         tokens, outs = _warm(llm, prompts)
     assert tokens == ref
@@ -795,7 +772,7 @@ def test_a_scheduler_view_of_a_dead_index_is_cleared_and_reconnects(
     store = _sched(llm).store
     ray.kill(ray.get_actor(control_name(ns), namespace=RAY_NAMESPACE), no_restart=True)
     ray.kill(ray.get_actor(index_name(ns), namespace=RAY_NAMESPACE), no_restart=True)
-    _wait_for(lambda: len(store.feed.view) == 0, 10, "the view to be cleared")
+    wait_for(lambda: len(store.feed.view) == 0, 10, "the view to be cleared")
     assert all(_present(llm, p) == 0 for p in prompts)
     assert not store.closed
     assert any(
@@ -807,7 +784,7 @@ def test_a_scheduler_view_of_a_dead_index_is_cleared_and_reconnects(
 
     kvray.start(namespace=ns, **START_ARGS)
     for p in prompts:
-        _wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "the view to come back")
+        wait_for(lambda p=p: _present(llm, p) == full_hit_blocks(p), 30, "the view to come back")
     assert any("answers again" in r.getMessage() for r in caplog.records)
     assert _sched(llm).store is store and not store.closed
     with _Delta(llm) as back:
@@ -829,13 +806,13 @@ def test_corrupt_bytes_are_recomputed_and_never_served_again(engines: Engines) -
     keys = _sched(llm).key_space.block_keys(block_hashes(prompt)[:n])
     pool = _head_pool(engines.ns)
     lost = ray.get(pool.stats.remote())["lost"]
-    bad_segment = _corrupt_in_plasma(pool, keys[2])
+    bad_segment = corrupt_in_plasma(pool, keys[2])
     with _Delta(llm) as d:
         tokens, _ = _warm(llm, prompts)
     assert tokens == ref
     assert (d.planned, d.loaded, d.failed) == (n, 2, n - 2)
     # The worker tells the pool fire-and-forget: the drop lands shortly after the step.
-    _wait_for(
+    wait_for(
         lambda: ray.get(pool.stats.remote())["lost"] == lost + 1, 10, "the pool to drop the block"
     )
     assert ray.get(pool.stats.remote())["lost"] == lost + 1  # one block, once
@@ -862,7 +839,7 @@ def test_node_removed_mid_load(engines: Engines, ray_cluster: Cluster) -> None:
     node = ray_cluster.add_node(num_cpus=1, object_store_memory=128 << 20, resources={"fx": 1})
     try:
         ray_cluster.wait_for_nodes()
-        _wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
+        wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
         hashes = list(
             dict.fromkeys(h for p in prompts for h in block_hashes(p)[: full_hit_blocks(p)])
         )
@@ -883,14 +860,14 @@ def test_node_removed_mid_load(engines: Engines, ray_cluster: Cluster) -> None:
         assert ray.get(head.report_lost.remote(keys, ids, 0, "moved away")) == len(keys)
         (slot_x,) = [s for s, info in store.feed.view.nodes.items() if info.node_id == node_x]
         view = store.feed.view
-        _wait_for(
+        wait_for(
             lambda: (view.slot_of(ids, view.locs(ids), 0) == slot_x).all(), 20, "only X holds them"
         )
         pid = _pid(ray.get_actor(pool_name(ns, node_x), namespace=RAY_NAMESPACE))
 
         def remove() -> None:  # the node's pool process is gone when the load starts
             ray_cluster.remove_node(node)
-            _wait_for(lambda: not psutil.pid_exists(pid), 20, "node X's pool to exit")
+            wait_for(lambda: not psutil.pid_exists(pid), 20, "node X's pool to exit")
 
         with _Delta(llm) as d, _OnFirstLoad(llm, remove) as hook:
             tokens, _ = _warm(llm, prompts)
@@ -902,7 +879,7 @@ def test_node_removed_mid_load(engines: Engines, ray_cluster: Cluster) -> None:
     assert tokens == ref
     assert d.planned > 0 and d.failed == d.planned and d.loaded == 0
     assert max(hook.durations) < LOAD_TIMEOUT_S + 0.5, hook.durations
-    _wait_for(lambda: len(store.feed.view.nodes) == 3, 30, "the lost pool to leave the view")
+    wait_for(lambda: len(store.feed.view.nodes) == 3, 30, "the lost pool to leave the view")
 
 
 def _load_failures(engines: Engines, mode: str) -> None:
@@ -922,14 +899,14 @@ def _load_failures(engines: Engines, mode: str) -> None:
 
     def kill() -> None:  # ray.kill returns at once: wait for the process to be gone
         ray.kill(pool, no_restart=False)
-        _wait_for(lambda: not psutil.pid_exists(pid), 20, "the pool's process to exit")
+        wait_for(lambda: not psutil.pid_exists(pid), 20, "the pool's process to exit")
 
     with _Delta(llm) as d, _OnFirstLoad(llm, kill) as hook:
         tokens, _ = _warm(llm, prompts)
     assert hook.fired.is_set() and tokens == ref
     assert d.planned > 0 and d.failed == d.planned and d.loaded == 0, d
     assert max(hook.durations) < bound, hook.durations
-    _wait_for(lambda: _incarnation(pool) not in ("", incarnation), 60, "the pool's restart")
+    wait_for(lambda: _incarnation(pool) not in ("", incarnation), 60, "the pool's restart")
 
     # A pool that stops answering: its process is frozen while the loads wait on it.
     prompts = _prompts(2, 200, 40)
@@ -999,9 +976,7 @@ def test_a_save_larger_than_staging_is_stored_in_pieces(engines: Engines) -> Non
     c1 = _counters(llm)
     assert c1.stored_blocks - c0.stored_blocks == full, (c0, c1)
     assert c1.dropped_blocks == c0.dropped_blocks and c1.refused_blocks == c0.refused_blocks
-    _wait_for(
-        lambda: _present(llm, prompt) == full_hit_blocks(prompt), 10, "the blocks in the view"
-    )
+    wait_for(lambda: _present(llm, prompt) == full_hit_blocks(prompt), 10, "the blocks in the view")
     second = engines("layerwise")
     with _Delta(second) as d:
         tokens, outs = _warm(second, prompts, max_tokens=1)

@@ -4,28 +4,20 @@ id collisions, a sharded index that rebuilds per shard, and subscribers only whe
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 from ray_fixtures import started_namespace
+from store_helpers import wait_for
 
 import kvray
 from kvray.meta.holders import PLACEMENT_BASE
 from kvray.meta.ids import index_shard_of, key_ids
 from kvray.meta.messages import RAY_NAMESPACE, index_name, pool_name
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def _node_with(resource: str) -> str:
@@ -152,14 +144,14 @@ def test_sharded_index_rebuilds_one_shard_and_purges_a_lost_node(
     shard1 = ray.get_actor(index_name(ns, 1), namespace=RAY_NAMESPACE)
     epoch = ray.get(shard1.current.remote())[0]
     ray.kill(shard1, no_restart=False)
-    _wait_for(lambda: ray.get(shard1.current.remote(), timeout=30)[0] != epoch, 60, "a restart")
-    _wait_for(lambda: (ray.get(shard1.locate.remote(ids[owner == 1])) > 0).all(), 30, "rebuild")
-    _wait_for(lambda: store.lookup(keys) == 300, 30, "the view to catch up")
+    wait_for(lambda: ray.get(shard1.current.remote(), timeout=30)[0] != epoch, 60, "a restart")
+    wait_for(lambda: (ray.get(shard1.locate.remote(ids[owner == 1])) > 0).all(), 30, "rebuild")
+    wait_for(lambda: store.lookup(keys) == 300, 30, "the view to catch up")
     assert [x.tobytes() for x in store.get(keys[:5])] == [blocks[i].tobytes() for i in range(5)]
     # A node with blocks in every shard's range dies: each shard purges its part.
     node = ray_cluster.add_node(num_cpus=1, object_store_memory=128 << 20, resources={"node_x": 1})
     ray_cluster.wait_for_nodes()
-    _wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
+    wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
     lost = [b"lost-%d" % i for i in range(60)]
 
     @ray.remote(num_cpus=0, resources={"node_x": 0.01})
@@ -174,7 +166,7 @@ def test_sharded_index_rebuilds_one_shard_and_purges_a_lost_node(
     assert store.lookup(lost) == 60
     assert set(index_shard_of(key_ids(lost), 3).tolist()) == {0, 1, 2}
     ray_cluster.remove_node(node)
-    _wait_for(
+    wait_for(
         lambda: store.lookup(lost[:1]) == 0 and not store.feed.view.contains(key_ids(lost)).any(),
         30,
         "the purge",
@@ -196,10 +188,10 @@ def test_a_view_of_a_stopped_index_is_cleared_and_reconnects(ray_cluster: Cluste
         store.sync()
         assert store.lookup(keys) == 20
         ray.kill(ray.get_actor(index_name(ns, 0), namespace=RAY_NAMESPACE), no_restart=True)
-        _wait_for(lambda: store.lookup(keys) == 0, 20, "the view to be cleared")
+        wait_for(lambda: store.lookup(keys) == 0, 20, "the view to be cleared")
         assert not store.closed
         kvray.start(namespace=ns, capacity="32MiB", health_check_interval_s=0.5)
-        _wait_for(lambda: store.lookup(keys) == 20, 30, "the view to come back")
+        wait_for(lambda: store.lookup(keys) == 20, 30, "the view to come back")
         # Puts never needed the index: they go to the local pool by name.
         assert store.put([b"after"], [np.ones(64, dtype=np.uint8)]).result(30).stored == 1
         store.close()

@@ -9,15 +9,13 @@ once), and no lease left behind.
 
 from __future__ import annotations
 
-import ctypes
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import ray
+from store_helpers import corrupt_in_plasma, wait_for
 
 import kvray
 from kvray.meta.ids import key_ids
@@ -45,14 +43,6 @@ def _stats(pool: Any) -> dict[str, int]:
     return ray.get(pool.stats.remote(), timeout=30)
 
 
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_a_small_read_comes_back_by_value_counted_once_and_unleased(kvray_ns: str) -> None:
     store = kvray.connect(kvray_ns)
     pool = _pool(kvray_ns)
@@ -76,7 +66,7 @@ def test_a_small_read_comes_back_by_value_counted_once_and_unleased(kvray_ns: st
     assert [g.tobytes() for g in store.get(big_keys)] == [b.tobytes() for b in big]
     after = _stats(pool)
     assert after["inlined_bytes"] == before["inlined_bytes"]
-    _wait_for(
+    wait_for(
         lambda: _stats(pool)["served_bytes"] - before["served_bytes"] == big.nbytes,
         10,
         "the leased read's bytes to be counted",
@@ -121,20 +111,14 @@ def test_a_corrupt_block_read_by_value_is_reported_and_never_served(kvray_ns: st
     keys, blocks = _keys(3), _blocks(3, SMALL, seed=3)
     store.put(keys, blocks).result(timeout=30)
     store.sync()
-    # Flip bytes of block 1 in the pool's own object (a bad DIMM): the lease maps it.
-    lease = ray.get(pool.lease.remote(keys[1:2], key_ids(keys[1:2]), 0), timeout=30)
-    seg_id, pos = int(lease.seg_ids[0]), int(lease.positions[0])
-    segment = ray.get(lease.segments[seg_id])
-    ctypes.memset(segment[pos].ctypes.data + 100, 0x5A, 16)
-    del segment
-    ray.get(pool.release.remote(lease.lease_id), timeout=30)
+    corrupt_in_plasma(pool, keys[1])  # in the pool's own object (a bad DIMM)
     inlined = _stats(pool)["inlined_bytes"]
     with pytest.raises(kvray.BlockLostError) as info:
         store.get(keys)
     assert info.value.keys == [keys[1]]
     assert "checksum" in info.value.reason
     assert _stats(pool)["inlined_bytes"] > inlined  # the read did go by value
-    _wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
+    wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
     assert [g.tobytes() for g in store.get(keys[:1])] == [blocks[0].tobytes()]
     assert _stats(pool)["lost"] == 1
     store.close()

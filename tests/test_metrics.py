@@ -27,7 +27,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
-from test_store import _corrupt_in_plasma
+from store_helpers import corrupt_in_plasma
 
 import kvray
 from kvray import stores
@@ -243,7 +243,7 @@ def test_every_documented_metric_is_exported_with_its_value(disk_ns: str) -> Non
         pool = ray.get_actor(
             pool_name(ns, ray.get_runtime_context().get_node_id()), namespace=RAY_NAMESPACE
         )
-        _corrupt_in_plasma(pool, first[0])
+        corrupt_in_plasma(pool, first[0])
         with pytest.raises(kvray.BlockLostError, match="checksum"):
             store.get(first[:1])
         more = keys[N_BLOCKS:]  # 1 MiB: RAM holds it only once the first segment is on disk

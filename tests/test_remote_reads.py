@@ -11,13 +11,13 @@ import ctypes
 import hashlib
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from store_helpers import wait_for
 
 import kvray
 from kvray.actors.slices import cut, take
@@ -45,14 +45,6 @@ def _digests(arrays: list[Any]) -> list[str]:
 
 def _node(resource: str) -> str:
     return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @ray.remote(num_cpus=0)
@@ -141,7 +133,7 @@ def test_partial_remote_read_moves_only_what_it_loads(kvray_ns: str) -> None:
     ray.get(reader.drop.remote())
     assert ray.get(pool.stats.remote())["sliced_bytes"] == loaded
     # Leases go back: the cut segment's at once, the whole one's with the next batch.
-    _wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
+    wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
     ray.get(reader.close.remote())
 
 
@@ -153,7 +145,7 @@ def test_scattered_remote_reads_are_bytes_equal(kvray_ns: str) -> None:
     want_digests = [expected[1][9], expected[0][3], expected[1][2], expected[0][12], expected[0][0]]
     assert ray.get(reader.get.remote(want)) == want_digests
     assert ray.get(pool.stats.remote())["sliced_bytes"] == 5 * BLOCK
-    _wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
+    wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
     ray.get(reader.close.remote())
 
 
@@ -162,9 +154,9 @@ def test_corrupt_block_read_remotely_is_reported_and_never_served(kvray_ns: str)
     ray.get(_corrupt.options(resources={"node_a": 0.01}).remote(pool, keys[1]))
     got = ray.get(reader.get.remote(keys[:3]))
     assert isinstance(got, str) and got.startswith(f"lost {[keys[1]]!r}") and "checksum" in got
-    _wait_for(lambda: ray.get(pool.stats.remote())["lost"] == 1, 10, "the report")
+    wait_for(lambda: ray.get(pool.stats.remote())["lost"] == 1, 10, "the report")
     store = kvray.connect(kvray_ns)
-    _wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
+    wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
     assert ray.get(reader.get.remote(keys[:1])) == _digests(_blocks(SEGMENT, 0))[:1]
     store.close()
     ray.get(reader.close.remote())

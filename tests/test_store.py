@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import time
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from store_helpers import corrupt_in_plasma, wait_for
 
 import kvray
 from kvray.config import ConfigError
@@ -31,15 +28,6 @@ def _keys(n: int, tag: str = "") -> list[bytes]:
 def _blocks(n: int, nbytes: int = BLOCK, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(1, 255, nbytes, dtype=np.uint8) for _ in range(n)]
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 @ray.remote(num_cpus=0)
@@ -181,25 +169,12 @@ def test_pool_serves_blocks_after_writer_exits(kvray_ns: str) -> None:
     pid = ray.get(writer.pid.remote())
     ray.kill(writer)
     # Simulated nodes share this machine, so the writer's exit is visible as its pid.
-    _wait_for(lambda: not psutil.pid_exists(pid), 30, "the writer process to exit")
+    wait_for(lambda: not psutil.pid_exists(pid), 30, "the writer process to exit")
     store = kvray.connect(kvray_ns)
     store.sync()
     got = store.get(keys)
     assert [g.tobytes() for g in got] == [b.tobytes() for b in _blocks(6, seed=3)]
     store.close()
-
-
-def _corrupt_in_plasma(pool: Any, key: bytes) -> None:
-    """Flip bytes of a stored block in the object store's shared memory, as a bad DIMM or a
-    stray write would."""
-    lease = ray.get(pool.lease.remote([key], key_ids([key]), 0))
-    seg_id, pos = int(lease.seg_ids[0]), int(lease.positions[0])
-    assert seg_id != 0, "the pool does not hold the block"
-    segment = ray.get(lease.segments[seg_id])
-    target = segment[pos]
-    ctypes.memset(target.ctypes.data + 1000, 0, 16)
-    del segment, target
-    ray.get(pool.release.remote(lease.lease_id))
 
 
 def test_corrupted_bytes_are_detected_and_never_served(kvray_ns: str) -> None:
@@ -209,12 +184,12 @@ def test_corrupted_bytes_are_detected_and_never_served(kvray_ns: str) -> None:
     store.sync()
     me = ray.get_runtime_context().get_node_id()
     pool = ray.get_actor(pool_name(kvray_ns, me), namespace=RAY_NAMESPACE)
-    _corrupt_in_plasma(pool, keys[1])
+    corrupt_in_plasma(pool, keys[1])
     with pytest.raises(kvray.BlockLostError) as info:
         store.get(keys)
     assert info.value.keys == [keys[1]]
     assert "checksum" in info.value.reason
-    _wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
+    wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
     assert [b.tobytes() for b in store.get(keys[:1])] == [_blocks(3)[0].tobytes()]
     assert ray.get(pool.stats.remote())["lost"] == 1
     store.close()
@@ -234,16 +209,16 @@ def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(kvray_ns:
     assert [a.tobytes() for a in fetched.arrays] == [b.tobytes() for b in blocks[:4]]
     assert store.verify(fetched) == 4
     # A corrupt block is only found by verify: the bytes come back, verify stops before it.
-    _corrupt_in_plasma(pool, keys[2])
+    corrupt_in_plasma(pool, keys[2])
     fetched = store.fetch(keys[:4])
     assert len(fetched.arrays) == 4 and fetched.reason == ""
     assert store.verify(fetched) == 2
-    _wait_for(lambda: store.lookup(keys) == 2, 10, "the corrupt block to leave the index")
+    wait_for(lambda: store.lookup(keys) == 2, 10, "the corrupt block to leave the index")
     fetched = store.fetch(keys[:4])
     assert fetched.keys == keys[:2] and fetched.reason
     assert ray.get(pool.stats.remote())["lost"] == 1
     # Finished reads give their leases back in batches, within about a second.
-    _wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
+    wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
     assert ray.get(pool.stats.remote())["served_bytes"] == (4 + 4 + 2) * BLOCK
     store.close()
 
@@ -335,11 +310,11 @@ def test_index_restart_restores_entries_from_pools(kvray_ns: str) -> None:
     index = ray.get_actor(index_name(kvray_ns), namespace=RAY_NAMESPACE)
     epoch = ray.get(index.current.remote())[0]
     ray.kill(index, no_restart=False)
-    _wait_for(
+    wait_for(
         lambda: ray.get(index.current.remote(), timeout=30)[0] != epoch, 60, "the index restart"
     )
-    _wait_for(lambda: (ray.get(index.locate.remote(key_ids(keys))) > 0).all(), 20, "the rebuild")
-    _wait_for(lambda: store.lookup(keys) == 10, 20, "the client view to resync")
+    wait_for(lambda: (ray.get(index.locate.remote(key_ids(keys))) > 0).all(), 20, "the rebuild")
+    wait_for(lambda: store.lookup(keys) == 10, 20, "the client view to resync")
     assert len(store.get(keys)) == 10
     store.close()
 
@@ -350,7 +325,7 @@ def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluste
     ray_cluster.wait_for_nodes()
     store = kvray.connect(kvray_ns)
     # A node that joins after start gets its pool.
-    _wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
+    wait_for(lambda: len(store.feed.view.nodes) == 4, 30, "a pool on the new node")
     keys = _keys(5)
     _, result = ray.get(
         _put_on_node.options(resources={"node_c": 0.01}).remote(kvray_ns, keys, 5, 5)
@@ -359,7 +334,7 @@ def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluste
     store.sync()
     assert store.lookup(keys) == 5
     ray_cluster.remove_node(node)
-    took = _wait_for(lambda: store.lookup(keys) == 0, 20, "the dead node's keys to disappear")
+    took = wait_for(lambda: store.lookup(keys) == 0, 20, "the dead node's keys to disappear")
     assert took < 20
     with pytest.raises(kvray.BlockLostError) as info:
         store.get(keys)
