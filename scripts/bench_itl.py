@@ -108,8 +108,8 @@ def _engine(a: argparse.Namespace) -> None:
 def _run_case(case: str, a: argparse.Namespace, ns: str, env: dict[str, str]) -> list[float]:
     """Start the case's engine processes at once; the median step of each."""
     work = Path(tempfile.mkdtemp(prefix="itl-"))
-    two = case.startswith("two")
-    n = 2 if two else 1
+    n = 2 if case.startswith("two") else 1
+    ncpu = os.cpu_count() or 1
     procs = []
     for k in range(n):
         out = work / f"out-{k}.json"
@@ -120,12 +120,12 @@ def _run_case(case: str, a: argparse.Namespace, ns: str, env: dict[str, str]) ->
         if case == "one-kvray":
             cmd += ["--namespace", ns]
         penv = dict(env)
-        share = str(max(1, (os.cpu_count() or 1) // n))
         if case == "two-pinned":
-            cmd = ["taskset", "-c", str(k % (os.cpu_count() or 1)), *cmd]
-            penv.update(VLLM_CPU_OMP_THREADS_BIND=str(k % (os.cpu_count() or 1)))
+            core = str(k % ncpu)
+            cmd = ["taskset", "-c", core, *cmd]
+            penv.update(VLLM_CPU_OMP_THREADS_BIND=core)
         elif case in ("two-nobind", "one-nobind"):
-            penv.update(OMP_NUM_THREADS=share, VLLM_CPU_OMP_THREADS_BIND="nobind")
+            penv.update(OMP_NUM_THREADS=str(max(1, ncpu // n)), VLLM_CPU_OMP_THREADS_BIND="nobind")
         procs.append((subprocess.Popen(cmd, env=penv, stderr=subprocess.PIPE, text=True), out))
     steps = []
     for p, out in procs:

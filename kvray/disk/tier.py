@@ -242,8 +242,7 @@ class DiskTier:
         A write already under way is waited for (up to ``timeout`` s), so none of this slot's
         files is left when it returns; one still writing after that deletes its own file when
         it ends. No callbacks; the tier stays usable (empty) until closed."""
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-            raise ValueError(f"DiskTier.purge: timeout must be seconds >= 0, got {timeout!r}")
+        _check_wait("purge", timeout)
         with self._lock:
             if self._book.closing:
                 raise KVRayError("DiskTier.purge: the tier is closed (purge before close)")
@@ -269,8 +268,7 @@ class DiskTier:
         the rest (counted in ``disk_skipped``). True when the writer stopped in time; if not,
         it finishes its one current write and releases the slot itself. Do not call it holding
         a lock the callbacks take: the writer could not finish."""
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-            raise ValueError(f"DiskTier.close: timeout must be seconds >= 0, got {timeout!r}")
+        _check_wait("close", timeout)
         with self._lock:
             self._book.closing = True
             if not drain:
@@ -297,3 +295,9 @@ class DiskTier:
         """``disk_*`` figures, ``spilled`` and ``spilled_bytes`` (see :class:`Counters`)."""
         with self._lock:
             return self._book.counters.figures(self._book.files, self._book.pending)
+
+
+def _check_wait(method: str, timeout: object) -> None:
+    """A wait in seconds (0 included), or ValueError naming ``DiskTier.<method>``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+        raise ValueError(f"DiskTier.{method}: timeout must be seconds >= 0, got {timeout!r}")

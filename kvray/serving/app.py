@@ -16,7 +16,7 @@ from kvray.config import ConfigError, KVRayConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROUTERS", "build_app", "build_llm_config", "cpu_thread_env"]
+__all__ = ["ROUTERS", "build_app", "build_llm_config", "cpu_thread_env", "local_ranks"]
 
 Router = Literal["kvray", "prefix", "pow2"]
 ROUTERS: tuple[str, ...] = ("kvray", "prefix", "pow2")
@@ -28,6 +28,13 @@ _RESERVED = ("model", "served_model_name", "kv_transfer_config")
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
+def local_ranks(engine_args: Mapping[str, Any]) -> int:
+    """The engine's worker ranks on its replica's node: tensor x pipeline parallel sizes."""
+    tp = int(engine_args.get("tensor_parallel_size") or 1)
+    pp = int(engine_args.get("pipeline_parallel_size") or 1)
+    return max(1, tp * pp)
+
+
 def cpu_thread_env(num_cpus: float, engine_args: Mapping[str, Any]) -> dict[str, str]:
     """The OpenMP settings of a CPU replica's engine: its own share of threads, unbound.
 
@@ -37,9 +44,7 @@ def cpu_thread_env(num_cpus: float, engine_args: Mapping[str, Any]) -> dict[str,
     step time of one engine alone; unbound with a thread each, 0.96x; pinned to a core each,
     0.93x). So each rank gets ``num_cpus / ranks`` threads less one core for the scheduler
     and kvray's threads (at least one), and the OS places them."""
-    tp = int(engine_args.get("tensor_parallel_size") or 1)
-    pp = int(engine_args.get("pipeline_parallel_size") or 1)
-    threads = max(1, int(num_cpus) // (tp * pp) - 1)
+    threads = max(1, int(num_cpus) // local_ranks(engine_args) - 1)
     return {BIND_ENV: "nobind", "OMP_NUM_THREADS": str(threads)}
 
 

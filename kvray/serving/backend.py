@@ -28,6 +28,7 @@ from kvray.callers import outermost_caller
 from kvray.cluster import NODE_ENV
 from kvray.config import ConfigError, KVRayConfig
 from kvray.meta.engine_table import REPLICA_ENV
+from kvray.serving.app import local_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,7 @@ def cpu_reservation(engine_kwargs: dict[str, Any]) -> int:
     reservation leaves none reserved at all: the forward pass's OpenMP threads then spin against
     the scheduler process on every core (measured on the 2-core box, Ray's multi-turn benchmark:
     decode ITL 54 ms against 15 ms for the same app without a connector)."""
-    tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
-    pp = int(engine_kwargs.get("pipeline_parallel_size") or 1)
-    return max(1, tp * pp)
+    return local_ranks(engine_kwargs)
 
 
 class KVRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
