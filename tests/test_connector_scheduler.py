@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,11 +213,14 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture
-def harness_factory(model_dir: str, kvray_ns: str) -> Iterator[Any]:
+def harness_factory(model_dir: str, module_ns: str) -> Iterator[Any]:
+    """Harnesses of one test: they share a key space (``cache_salt``) no other test's use, in
+    the module's namespace."""
     made: list[Harness] = []
+    salt = uuid.uuid4().hex
 
     def make(**kw: Any) -> Harness:
-        h = make_harness(model_dir, kvray_ns, **kw)
+        h = make_harness(model_dir, module_ns, **{"cache_salt": salt, **kw})
         made.append(h)
         return h
 
@@ -540,13 +544,13 @@ def test_no_kv_events_unless_configured(harness_factory: Any) -> None:
     assert h.sconn.manager.view.listener is None
 
 
-def test_bad_extra_config_is_one_clear_error(model_dir: str, kvray_ns: str) -> None:
+def test_bad_extra_config_is_one_clear_error(model_dir: str, module_ns: str) -> None:
     from kvray.config import ConfigError
 
     with pytest.raises(ConfigError, match="load_mode"):
-        make_harness(model_dir, kvray_ns, load_mode="eager")
+        make_harness(model_dir, module_ns, load_mode="eager")
     with pytest.raises(ConfigError, match="unknown key"):
-        make_harness(model_dir, kvray_ns, nmespace_typo="x")
+        make_harness(model_dir, module_ns, nmespace_typo="x")
 
 
 def test_unreachable_cluster_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,10 +117,10 @@ def connectors() -> Iterator[list[Any]]:
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 @pytest.mark.parametrize("policy", [None, "fail"], ids=["vllm-default", "fail"])
 def test_a_failing_load_policy_is_refused(
-    model_dir: str, kvray_ns: str, connectors: list[Any], role: str, policy: str | None
+    model_dir: str, module_ns: str, connectors: list[Any], role: str, policy: str | None
 ) -> None:
     ktc = {} if policy is None else {"kv_load_failure_policy": policy}
-    vllm_config = _vllm_config(model_dir, kvray_ns, **ktc)
+    vllm_config = _vllm_config(model_dir, module_ns, **ktc)
     assert vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
     with pytest.raises(ConfigError) as info:
         connectors.append(_connector(vllm_config, role))
@@ -130,12 +130,12 @@ def test_a_failing_load_policy_is_refused(
 
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_the_recompute_policy_is_accepted(
-    model_dir: str, kvray_ns: str, connectors: list[Any], role: str
+    model_dir: str, module_ns: str, connectors: list[Any], role: str
 ) -> None:
-    vllm_config = _vllm_config(model_dir, kvray_ns, kv_load_failure_policy="recompute")
+    vllm_config = _vllm_config(model_dir, module_ns, kv_load_failure_policy="recompute")
     conn = _connector(vllm_config, role)
     connectors.append(conn)
-    assert conn.config.namespace == kvray_ns
+    assert conn.config.namespace == module_ns
     assert (conn.connector_scheduler is not None) == (role == "SCHEDULER")
     assert (conn.connector_worker is not None) == (role == "WORKER")
 
@@ -147,7 +147,7 @@ def in_process() -> Iterator[None]:
 
 
 def test_an_engine_with_the_fail_policy_refuses_to_start(
-    model_dir: str, kvray_ns: str, in_process: None
+    model_dir: str, module_ns: str, in_process: None
 ) -> None:
     from vllm import LLM
     from vllm.distributed.parallel_state import (
@@ -155,7 +155,7 @@ def test_an_engine_with_the_fail_policy_refuses_to_start(
         destroy_model_parallel,
     )
 
-    ktc = {**kvray_transfer_config(kvray_ns), "kv_load_failure_policy": "fail"}
+    ktc = {**kvray_transfer_config(module_ns), "kv_load_failure_policy": "fail"}
     llm = None
     try:
         with pytest.raises(ConfigError, match=re.escape(POLICY_MESSAGE)):
@@ -173,9 +173,9 @@ def test_an_engine_with_the_fail_policy_refuses_to_start(
 
 
 def test_a_tp2_worker_without_parallel_state_is_refused(
-    model_dir: str, kvray_ns: str, connectors: list[Any]
+    model_dir: str, module_ns: str, connectors: list[Any]
 ) -> None:
-    vllm_config = _vllm_config(model_dir, kvray_ns, tp=2, kv_load_failure_policy="recompute")
+    vllm_config = _vllm_config(model_dir, module_ns, tp=2, kv_load_failure_policy="recompute")
     with pytest.raises(KVRayError) as info:
         connectors.append(_connector(vllm_config, "WORKER"))
     message = str(info.value)
@@ -188,9 +188,9 @@ def test_a_tp2_worker_without_parallel_state_is_refused(
 
 
 def test_a_tp1_worker_without_parallel_state_is_rank_0(
-    model_dir: str, kvray_ns: str, connectors: list[Any]
+    model_dir: str, module_ns: str, connectors: list[Any]
 ) -> None:
-    vllm_config = _vllm_config(model_dir, kvray_ns, kv_load_failure_policy="recompute")
+    vllm_config = _vllm_config(model_dir, module_ns, kv_load_failure_policy="recompute")
     conn = _connector(vllm_config, "WORKER")
     connectors.append(conn)
     assert conn.worker.tp_rank == 0

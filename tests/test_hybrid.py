@@ -10,6 +10,7 @@ layer of every group, so every loaded block is checked against what was stored, 
 from __future__ import annotations
 
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -272,11 +273,14 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture
-def engines(model_dir: str, kvray_ns: str) -> Iterator[Callable[..., Hybrid]]:
+def engines(model_dir: str, module_ns: str) -> Iterator[Callable[..., Hybrid]]:
+    """Engines of one test: they share a key space (``cache_salt``) no other test's use, in
+    the module's namespace."""
     made: list[Hybrid] = []
+    salt = uuid.uuid4().hex
 
     def make(**extra: Any) -> Hybrid:
-        e = make_engine(model_dir, kvray_ns, **extra)
+        e = make_engine(model_dir, module_ns, **{"cache_salt": salt, **extra})
         made.append(e)
         return e
 
@@ -401,7 +405,7 @@ def test_window_group_stores_at_most_its_window_per_request(engines: Any) -> Non
     assert len(swa) <= 2 * WINDOW_BLOCKS and len(set(swa)) == len(swa)
 
 
-def test_mamba_groups_are_refused_in_one_line(model_dir: str, kvray_ns: str) -> None:
+def test_mamba_groups_are_refused_in_one_line(model_dir: str, module_ns: str) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -414,7 +418,7 @@ def test_mamba_groups_are_refused_in_one_line(model_dir: str, kvray_ns: str) -> 
     from kvray.connector.groups import UnsupportedGroupsError
     from kvray.errors import KVRayError
 
-    vllm_config, _ = hybrid_config(model_dir, kvray_ns)
+    vllm_config, _ = hybrid_config(model_dir, module_ns)
     mamba = MambaSpec(
         block_size=BLOCK_SIZE, shapes=((4, 8), (2, 16)), dtypes=(torch.float32, torch.float32)
     )
