@@ -515,6 +515,37 @@ def test_cpu_replicas_get_their_own_unbound_threads_and_a_users_env_wins() -> No
     assert not (kept.runtime_env or {}).get("env_vars")
 
 
+def test_node_init_is_skipped_only_where_it_would_fetch_nothing(tmp_path: Any) -> None:
+    """Ray Serve LLM's per-replica node-initialization task only downloads from a cloud
+    mirror: kvray's callback skips it for a local model or a plain model id, never for a
+    remote path or a configured mirror (both apps, with and without kvray)."""
+    import asyncio
+
+    from kvray.serving.app import NODE_INIT_CALLBACK, build_llm_config
+    from kvray.serving.nodeinit import SkipIdleNodeInit
+
+    def runs_init(model: str, **kw: Any) -> bool:
+        cfg = build_llm_config(model, **kw)
+        assert cfg.callback_config.callback_class == NODE_INIT_CALLBACK
+        callback = SkipIdleNodeInit(cfg)
+        asyncio.run(callback.on_before_node_init())
+        return callback.ctx.run_init_node
+
+    assert not runs_init(str(tmp_path))
+    assert not runs_init("meta-llama/Llama-3.2-1B", kv_cache="none")
+    assert runs_init("s3://bucket/models/llama")
+    assert runs_init("gs://bucket/models/llama", kv_cache="none")
+
+
+def test_no_replica_ran_a_node_initialization_task(served: Served) -> None:
+    """The served app's replicas (a local model) started without Ray's download task: the
+    task listing of the whole cluster has none."""
+    from ray.util.state import list_tasks
+
+    ran = list_tasks(filters=[("name", "=", "initialize_remote_node")], timeout=30)
+    assert ran == [], ran
+
+
 def test_every_replicas_engine_runs_with_its_own_unbound_threads(served: Served) -> None:
     """What build_app sets reaches the processes that run the forward pass: every process
     under each replica (engine core, workers), read from /proc, not from the config."""

@@ -23,6 +23,8 @@ ROUTERS: tuple[str, ...] = ("kvray", "prefix", "pow2")
 KVCache = Literal["kvray", "none"]
 KV_CACHES: tuple[str, ...] = ("kvray", "none")
 _RESERVED = ("model", "served_model_name", "kv_transfer_config")
+#: The Ray Serve LLM callback every replica runs (:class:`kvray.serving.nodeinit.SkipIdleNodeInit`).
+NODE_INIT_CALLBACK = "kvray.serving.nodeinit.SkipIdleNodeInit"
 #: vLLM-CPU's OpenMP binding: ``auto`` binds each engine's threads to the node's cores minus the
 #: reserved ones, the same cores for every replica on the node.
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -119,6 +121,8 @@ def build_llm_config(
         "model_loading_config": {"model_id": served, "model_source": model},
         "engine_kwargs": args,
         "placement_group_config": {"bundles": [bundle]},
+        # No node-initialization task per replica start when it would fetch nothing.
+        "callback_config": {"callback_class": NODE_INIT_CALLBACK},
     }
     env = dict(runtime_env or {})
     if cpu_threads and not num_gpus:  # the user's own settings win
