@@ -43,9 +43,9 @@ def _stats(pool: Any) -> dict[str, int]:
     return ray.get(pool.stats.remote(), timeout=30)
 
 
-def test_a_small_read_comes_back_by_value_counted_once_and_unleased(kvray_ns: str) -> None:
-    store = kvray.connect(kvray_ns)
-    pool = _pool(kvray_ns)
+def test_a_small_read_comes_back_by_value_counted_once_and_unleased(module_ns: str) -> None:
+    store = kvray.connect(module_ns)
+    pool = _pool(module_ns)
     keys, blocks = _keys(24), _blocks(24, SMALL)
     assert store.put(keys, blocks).result(timeout=30).stored == 24
     store.sync()
@@ -55,7 +55,7 @@ def test_a_small_read_comes_back_by_value_counted_once_and_unleased(kvray_ns: st
     after = _stats(pool)
     assert after["inlined_bytes"] - before["inlined_bytes"] == 24 * SMALL
     assert after["served_bytes"] - before["served_bytes"] == 24 * SMALL
-    assert after["active_leases"] == 0  # nothing to give back, at once
+    assert after["active_leases"] <= before["active_leases"]  # it took no lease
     assert after["sliced_bytes"] == before["sliced_bytes"]
     # A read of more than INLINE_BYTES is leased and mapped as before, bytes equal.
     big_keys = _keys(INLINE_BYTES // SMALL + 1)
@@ -74,7 +74,7 @@ def test_a_small_read_comes_back_by_value_counted_once_and_unleased(kvray_ns: st
     store.close()
 
 
-def test_a_small_read_from_another_node_comes_by_value(kvray_ns: str) -> None:
+def test_a_small_read_from_another_node_comes_by_value(module_ns: str) -> None:
     @ray.remote(num_cpus=0, resources={"node_a": 0.01})
     def put_on_a(ns: str, keys: list[bytes], blocks: np.ndarray) -> str:
         s = kvray.connect(ns)
@@ -94,10 +94,10 @@ def test_a_small_read_from_another_node_comes_by_value(kvray_ns: str) -> None:
             s.close()
 
     keys, blocks = _keys(6), _blocks(6, SMALL, seed=2)
-    node_a = ray.get(put_on_a.remote(kvray_ns, keys, blocks), timeout=60)
-    pool = _pool(kvray_ns, node_a)
+    node_a = ray.get(put_on_a.remote(module_ns, keys, blocks), timeout=60)
+    pool = _pool(module_ns, node_a)
     before = _stats(pool)
-    got = ray.get(get_on_b.remote(kvray_ns, keys[1:4]), timeout=60)
+    got = ray.get(get_on_b.remote(module_ns, keys[1:4]), timeout=60)
     assert got == [b.tobytes() for b in blocks[1:4]]
     after = _stats(pool)
     assert after["inlined_bytes"] - before["inlined_bytes"] == 3 * SMALL
@@ -105,14 +105,14 @@ def test_a_small_read_from_another_node_comes_by_value(kvray_ns: str) -> None:
     assert after["active_leases"] == 0
 
 
-def test_a_corrupt_block_read_by_value_is_reported_and_never_served(kvray_ns: str) -> None:
-    store = kvray.connect(kvray_ns)
-    pool = _pool(kvray_ns)
+def test_a_corrupt_block_read_by_value_is_reported_and_never_served(module_ns: str) -> None:
+    store = kvray.connect(module_ns)
+    pool = _pool(module_ns)
     keys, blocks = _keys(3), _blocks(3, SMALL, seed=3)
     store.put(keys, blocks).result(timeout=30)
     store.sync()
     corrupt_in_plasma(pool, keys[1])  # in the pool's own object (a bad DIMM)
-    inlined = _stats(pool)["inlined_bytes"]
+    inlined, lost = _stats(pool)["inlined_bytes"], _stats(pool)["lost"]
     with pytest.raises(kvray.BlockLostError) as info:
         store.get(keys)
     assert info.value.keys == [keys[1]]
@@ -120,16 +120,16 @@ def test_a_corrupt_block_read_by_value_is_reported_and_never_served(kvray_ns: st
     assert _stats(pool)["inlined_bytes"] > inlined  # the read did go by value
     wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
     assert [g.tobytes() for g in store.get(keys[:1])] == [blocks[0].tobytes()]
-    assert _stats(pool)["lost"] == 1
+    assert _stats(pool)["lost"] == lost + 1
     store.close()
 
 
 @pytest.mark.parametrize("form", ["array", "list"])
-def test_the_pool_takes_a_segment_sent_by_value(kvray_ns: str, form: str) -> None:
+def test_the_pool_takes_a_segment_sent_by_value(module_ns: str, form: str) -> None:
     """``put_segment`` with the blocks themselves (what a small put sends) stores them as its
     own object: a lease maps them, bytes equal; blocks of the wrong size are refused."""
-    kvray.connect(kvray_ns).close()
-    pool = _pool(kvray_ns)
+    kvray.connect(module_ns).close()
+    pool = _pool(module_ns)
     keys, blocks = _keys(4), _blocks(4, SMALL, seed=4)
     payload: Any = blocks if form == "array" else [b for b in blocks]
     blob, offsets = pack_keys(keys)
