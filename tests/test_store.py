@@ -50,27 +50,28 @@ def _lookup_get_on_node(ns: str, keys: list[bytes]) -> tuple[str, int, list[byte
     return node, n, data
 
 
-def test_put_on_node_a_get_on_node_b_bytes_equal(kvray_ns: str) -> None:
+def test_put_on_node_a_get_on_node_b_bytes_equal(module_ns: str) -> None:
     keys = _keys(12)
+    before = kvray.connect(module_ns).stats()
     node_a, result = ray.get(
-        _put_on_node.options(resources={"node_a": 0.01}).remote(kvray_ns, keys, 7, 12)
+        _put_on_node.options(resources={"node_a": 0.01}).remote(module_ns, keys, 7, 12)
     )
     assert result == {"stored": 12, "duplicate": 0, "refused": 0}
     node_b, n, data = ray.get(
-        _lookup_get_on_node.options(resources={"node_b": 0.01}).remote(kvray_ns, keys)
+        _lookup_get_on_node.options(resources={"node_b": 0.01}).remote(module_ns, keys)
     )
     assert node_a != node_b
     assert n == 12
     assert data == [b.tobytes() for b in _blocks(12, seed=7)]
     # The blocks live in node A's pool, not B's.
-    stats = kvray.connect(kvray_ns).stats()
-    assert stats["nodes"][node_a]["blocks"] == 12
-    assert stats["nodes"][node_b]["blocks"] == 0
-    assert stats["nodes"][node_a]["hits"] == 12
+    stats = kvray.connect(module_ns).stats()
+    assert stats["nodes"][node_a]["blocks"] == before["nodes"][node_a]["blocks"] + 12
+    assert stats["nodes"][node_b]["blocks"] == before["nodes"][node_b]["blocks"]
+    assert stats["nodes"][node_a]["hits"] == before["nodes"][node_a]["hits"] + 12
 
 
-def test_prefix_lengths(kvray_ns: str) -> None:
-    store = kvray.connect(kvray_ns)
+def test_prefix_lengths(module_ns: str) -> None:
+    store = kvray.connect(module_ns)
     keys = _keys(8)
     store.put(keys[:5], _blocks(5)).result(timeout=30)
     store.put([keys[6]], _blocks(1)).result(timeout=30)
@@ -80,7 +81,7 @@ def test_prefix_lengths(kvray_ns: str) -> None:
     assert store.lookup(keys[5:]) == 0
     assert store.lookup(keys[6:7]) == 1
     assert store.lookup([]) == 0
-    index = ray.get_actor(index_name(kvray_ns), namespace=RAY_NAMESPACE)
+    index = ray.get_actor(index_name(module_ns), namespace=RAY_NAMESPACE)
     codes = ray.get(index.locate.remote(key_ids(keys)))
     assert (codes[:5] > 0).all() and codes[5] == 0 and codes[6] > 0 and codes[7] == 0
     me = ray.get_runtime_context().get_node_id()
@@ -177,13 +178,14 @@ def test_pool_serves_blocks_after_writer_exits(kvray_ns: str) -> None:
     store.close()
 
 
-def test_corrupted_bytes_are_detected_and_never_served(kvray_ns: str) -> None:
-    store = kvray.connect(kvray_ns)
+def test_corrupted_bytes_are_detected_and_never_served(module_ns: str) -> None:
+    store = kvray.connect(module_ns)
     keys = _keys(3)
     store.put(keys, _blocks(3)).result(timeout=30)
     store.sync()
     me = ray.get_runtime_context().get_node_id()
-    pool = ray.get_actor(pool_name(kvray_ns, me), namespace=RAY_NAMESPACE)
+    pool = ray.get_actor(pool_name(module_ns, me), namespace=RAY_NAMESPACE)
+    lost = ray.get(pool.stats.remote())["lost"]
     corrupt_in_plasma(pool, keys[1])
     with pytest.raises(kvray.BlockLostError) as info:
         store.get(keys)
@@ -191,18 +193,19 @@ def test_corrupted_bytes_are_detected_and_never_served(kvray_ns: str) -> None:
     assert "checksum" in info.value.reason
     wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
     assert [b.tobytes() for b in store.get(keys[:1])] == [_blocks(3)[0].tobytes()]
-    assert ray.get(pool.stats.remote())["lost"] == 1
+    assert ray.get(pool.stats.remote())["lost"] == lost + 1
     store.close()
 
 
-def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(kvray_ns: str) -> None:
-    store = kvray.connect(kvray_ns)
-    keys = _keys(5, tag="fetch")
+def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(module_ns: str) -> None:
+    store = kvray.connect(module_ns)
+    keys = _keys(5)
     blocks = _blocks(5, seed=7)
     store.put(keys[:4], blocks[:4]).result(timeout=30)
     store.sync()
     me = ray.get_runtime_context().get_node_id()
-    pool = ray.get_actor(pool_name(kvray_ns, me), namespace=RAY_NAMESPACE)
+    pool = ray.get_actor(pool_name(module_ns, me), namespace=RAY_NAMESPACE)
+    before = ray.get(pool.stats.remote())
     # keys[4] was never stored: the prefix stops there, with the reason.
     fetched = store.fetch(keys)
     assert fetched.keys == keys[:4] and "not in the index" in fetched.reason
@@ -216,19 +219,20 @@ def test_fetch_reads_the_longest_prefix_and_verify_stops_at_corruption(kvray_ns:
     wait_for(lambda: store.lookup(keys) == 2, 10, "the corrupt block to leave the index")
     fetched = store.fetch(keys[:4])
     assert fetched.keys == keys[:2] and fetched.reason
-    assert ray.get(pool.stats.remote())["lost"] == 1
+    assert ray.get(pool.stats.remote())["lost"] == before["lost"] + 1
     # Finished reads give their leases back in batches, within about a second.
     wait_for(lambda: ray.get(pool.stats.remote())["active_leases"] == 0, 10, "leases back")
-    assert ray.get(pool.stats.remote())["served_bytes"] == (4 + 4 + 2) * BLOCK
+    served = ray.get(pool.stats.remote())["served_bytes"] - before["served_bytes"]
+    assert served == (4 + 4 + 2) * BLOCK
     store.close()
 
 
-def test_connector_halves_in_one_process_share_a_store(kvray_ns: str) -> None:
+def test_connector_halves_in_one_process_share_a_store(module_ns: str) -> None:
     pytest.importorskip("vllm")  # kvray.connector imports vLLM
     from kvray.config import KVRayConfig
     from kvray.connector.attach import close_store, open_store
 
-    cfg = KVRayConfig(namespace=kvray_ns)
+    cfg = KVRayConfig(namespace=module_ns)
     a, b = open_store(cfg), open_store(cfg)
     assert a is b
     other = open_store(cfg.replace(verify_checksums=False))
@@ -290,8 +294,8 @@ def test_bad_config_is_one_clear_error(ray_cluster: Cluster) -> None:
         store_cfg.replace(get_timeout_s=-1)
 
 
-def test_put_rejects_bad_input(kvray_ns: str) -> None:
-    store = kvray.connect(kvray_ns)
+def test_put_rejects_bad_input(module_ns: str) -> None:
+    store = kvray.connect(module_ns)
     with pytest.raises(ValueError, match="2 keys but 1 blocks"):
         store.put(_keys(2), _blocks(1))
     with pytest.raises(TypeError):
@@ -342,16 +346,17 @@ def test_node_loss_purges_keys_and_get_raises(kvray_ns: str, ray_cluster: Cluste
     store.close()
 
 
-def test_prefix_by_node_counts_leading_keys_per_node(kvray_ns: str) -> None:
+def test_prefix_by_node_counts_leading_keys_per_node(module_ns: str) -> None:
     node_a = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_a" in n["Resources"])
     keys = _keys(6)
-    ray.get(_put_on_node.options(resources={"node_a": 1}).remote(kvray_ns, keys[:4], 1, 4))
-    store = kvray.connect(kvray_ns)
+    ray.get(_put_on_node.options(resources={"node_a": 1}).remote(module_ns, keys[:4], 1, 4))
+    store = kvray.connect(module_ns)
     try:
         store.sync()
         by_node = store.prefix_by_node(keys)
         assert by_node[node_a] == 4
-        assert sorted(by_node.values()) == [0, 0, 4]
+        # (every other node 0; a node another test added and removed may still be listed)
+        assert [n for n in by_node.values() if n] == [4] and len(by_node) >= 3
         assert store.prefix_by_node(keys[4:])[node_a] == 0
     finally:
         store.close()
