@@ -6,9 +6,10 @@ downloads the model from a cloud mirror. For a model without a mirror (a local d
 Hugging Face id that vLLM resolves itself) the task only creates torch's kernels directory and
 returns the model id it was given; yet the fresh worker imports torch, transformers and Ray's LLM
 modules first: 8.5 CPU-s a replica start on the 2-core box, waited for before the engine starts
-(``tests/test_serve.py`` measured the worker among the replica's processes). Ray Serve LLM's
-documented callback (``CallbackCtx.run_init_node``) skips the task; :class:`SkipIdleNodeInit`
-does so exactly when the task would fetch nothing, and does the one thing it would have done.
+(a process sampler over ``tests/test_serve.py``'s app setup). Ray Serve LLM's callback hook
+(``CallbackCtx.run_init_node``) skips the task; :class:`SkipIdleNodeInit` does so exactly when
+the task would fetch nothing, and does the one thing it would have done, on the replica's node
+only (a placement group spanning nodes no longer creates that directory on the others).
 """
 
 from __future__ import annotations
