@@ -158,29 +158,41 @@ def test_scheduler_step_under_a_change_stream(harness_factory: Any) -> None:  # 
     h = harness_factory()
     quiet = _step_times(h, 30)
 
-    @ray.remote(num_cpus=0)
-    def writer(ns: str, seconds: float) -> tuple[int, bytes]:
-        import numpy as np
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Writer:
+        """Puts batches of 256 fresh keys into ``ns`` until stopped (at most 60 s)."""
 
-        import kvray
+        def __init__(self) -> None:
+            self.running = True
 
-        s = kvray.connect(ns, subscribe=False)
-        rng = np.random.default_rng()
-        first, n, deadline = rng.bytes(16), 0, time.monotonic() + seconds
-        s.put([first], np.ones((1, 64), dtype=np.uint8)).result(30)
-        while time.monotonic() < deadline:
-            s.put([rng.bytes(16) for _ in range(256)], np.ones((256, 64), dtype=np.uint8)).result(
-                30
-            )
-            n += 256
-        s.close()
-        return n, first
+        def run(self, ns: str) -> tuple[int, bytes]:
+            import numpy as np
 
-    # The stream goes to the namespace the harness's scheduler view follows.
-    ref = writer.remote(h.sconn.config.namespace, 12.0)
+            import kvray
+
+            s = kvray.connect(ns, subscribe=False)
+            rng = np.random.default_rng()
+            first, n, deadline = rng.bytes(16), 0, time.monotonic() + 60
+            s.put([first], np.ones((1, 64), dtype=np.uint8)).result(30)
+            while self.running and time.monotonic() < deadline:
+                keys = [rng.bytes(16) for _ in range(256)]
+                s.put(keys, np.ones((256, 64), dtype=np.uint8)).result(30)
+                n += 256
+            s.close()
+            return n, first
+
+        def stop(self) -> None:
+            self.running = False
+
+    # The stream goes to the namespace the harness's scheduler view follows, and runs until the
+    # busy steps are measured.
+    w = Writer.remote()  # type: ignore[attr-defined]
+    ref = w.run.remote(h.sconn.config.namespace)
     time.sleep(2.0)  # the stream is flowing
     busy = _step_times(h, 30)
+    ray.get(w.stop.remote(), timeout=30)
     written, first = ray.get(ref, timeout=120)
+    ray.kill(w)
     assert written > 1000, "the change stream did not run"
     h.sconn.store.sync()
     assert h.sconn.store.lookup([first]) == 1, "the scheduler's view did not see the stream"
