@@ -112,15 +112,15 @@ def test_a_corrupt_block_read_by_value_is_reported_and_never_served(module_ns: s
     store.put(keys, blocks).result(timeout=30)
     store.sync()
     corrupt_in_plasma(pool, keys[1])  # in the pool's own object (a bad DIMM)
-    inlined, lost = _stats(pool)["inlined_bytes"], _stats(pool)["lost"]
+    before = _stats(pool)
     with pytest.raises(kvray.BlockLostError) as info:
         store.get(keys)
     assert info.value.keys == [keys[1]]
     assert "checksum" in info.value.reason
-    assert _stats(pool)["inlined_bytes"] > inlined  # the read did go by value
+    assert _stats(pool)["inlined_bytes"] > before["inlined_bytes"]  # the read went by value
     wait_for(lambda: store.lookup(keys) == 1, 10, "the corrupt block to leave the index")
     assert [g.tobytes() for g in store.get(keys[:1])] == [blocks[0].tobytes()]
-    assert _stats(pool)["lost"] == lost + 1
+    assert _stats(pool)["lost"] == before["lost"] + 1
     store.close()
 
 

@@ -517,8 +517,8 @@ def test_cpu_replicas_get_their_own_unbound_threads_and_a_users_env_wins() -> No
 
 def test_node_init_is_skipped_only_where_it_would_fetch_nothing(tmp_path: Any) -> None:
     """Ray Serve LLM's per-replica node-initialization task only downloads from a cloud
-    mirror: kvray's callback skips it for a local model or a plain model id, never for a
-    remote path or a configured mirror (both apps, with and without kvray)."""
+    mirror: kvray's callback skips it for a local model or a plain model id, never for an
+    ``s3://`` or ``gs://`` source (both apps, with and without kvray)."""
     import asyncio
 
     from kvray.serving.app import NODE_INIT_CALLBACK, build_llm_config
