@@ -3,7 +3,9 @@
 ``python cross_tp_engine.py --model M --namespace NS --tp 2 --steps steps.json --out out.json``
 runs an engine (EngineCore in this process, TP workers in vLLM's worker processes) through
 *steps*: ``{"prompts": [[token ids]...], "salt": str | null, "reset": bool}`` (``salt`` is
-vLLM's ``cache_salt``: other block hashes, so the engine computes the prompt itself). Every
+vLLM's ``cache_salt``: other block hashes, so the engine computes the prompt itself; ``reset``
+waits for every rank's saves so far, then empties vLLM's prefix cache, so the step's hits can
+only come from kvray). Every
 rank's connector records, by block hash, the bytes of its share of each block it loaded and
 each block it stored (:func:`install_recorder`), read back with ``collective_rpc``.
 
@@ -76,6 +78,11 @@ def _handler() -> Any:
 def rank_install(_worker: Any) -> None:
     """``collective_rpc`` target: record on this worker."""
     install_recorder(_handler())
+
+
+def rank_flush(_worker: Any) -> None:
+    """``collective_rpc`` target: wait until this rank's saves are in their pools."""
+    _handler().flush()
 
 
 def rank_report(_worker: Any) -> dict[str, Any]:
@@ -171,9 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     steps = []
     plan = json.loads(Path(args.steps).read_text())
     for step in plan:
-        if step.get("reset"):
+        if step.get("reset"):  # the saves so far stored and seen, then vLLM's cache emptied
             finish_delayed_frees(llm)
-            llm.reset_prefix_cache()
+            llm.collective_rpc(me.rank_flush)
+            sched.store.sync()
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM kept blocks through reset_prefix_cache")
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in step["prompts"]]
         if step.get("salt"):
             for p in prompts:

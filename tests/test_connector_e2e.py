@@ -284,29 +284,3 @@ def test_cross_node_engine_loads_blocks_stored_on_other_node(
     assert out_b["cached"][0] == full_hit_tokens(prompts[0])
     ray.get(b.close.remote(), timeout=60)
     ray.kill(b)
-
-
-@pytest.mark.slow
-def test_tensor_parallel_2_identical_tokens_and_hits(
-    reference: dict[str, Any], tiny_model: str, kvray_ns: str, tmp_path: Any
-) -> None:
-    """TP=2 on CPU: each rank stores and loads its own shard under its own keys; a hit needs
-    both shards, and the tokens match the single-rank reference."""
-    prompts = PROMPTS["share"]
-    first, second = run_engine_process(
-        tiny_model,
-        prompts,
-        tmp_path,
-        namespace=kvray_ns,
-        tp=2,
-        rounds=2,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-        timeout=420,
-    )
-    assert first["tokens"] == reference["share"]
-    assert second["tokens"] == reference["share"]
-    assert second["cached"][0] == full_hit_tokens(prompts[0])
-    store = kvray.connect(kvray_ns)
-    store.sync()
-    # Two shards of every stored block: 7 distinct blocks per shard for this prompt set.
-    assert store.stats()["totals"]["blocks"] >= 2 * (full_hit_tokens(prompts[0]) // BLOCK_SIZE)

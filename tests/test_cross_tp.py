@@ -6,7 +6,8 @@
 - Key spaces: one prefix per grouping, no TP size in it on CPU caches; models, dtypes, block
   sizes, ISAs and GPU layouts never share keys.
 - Real vLLM on CPU (float32 tiny Llamas): a TP=1 engine stores, a TP=2 engine loads (hits
-  counted, tokens and KV as its own recompute), stores, and the TP=1 engine loads that; a model
+  counted, tokens and KV as its own recompute), stores, reads its own two-shard blocks back
+  after emptying vLLM's cache, and the TP=1 engine loads them; a model
   with one KV head at TP=2 stores each block once and both ranks read it.
 """
 
@@ -414,15 +415,24 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
         b = cross_tp_engine.run(
             models["kv2"],
             namespace,
-            [{"prompts": p1}, {"prompts": p1, "salt": "b"}, {"prompts": p2}],
+            [
+                {"prompts": p1},
+                {"prompts": p1, "salt": "b"},
+                {"prompts": p2},
+                {"prompts": p2, "reset": True},
+            ],
             tmp_path,
             tp=2,
         )
-        loaded, own, b2 = b["steps"]
+        loaded, own, b2, b2_again = b["steps"]
         assert loaded["cached"] == [full_hit_tokens(p) for p in p1]
         assert own["cached"][0] == 0  # (the second prompt shares the first in vLLM's cache)
         assert loaded["tokens"] == own["tokens"] == a1["tokens"]
         assert b["cross_tp_hit_tokens"] >= full_hit_tokens(p1[0]) and b["failed_blocks"] == 0
+        # TP=2 reads its own blocks back (vLLM's cache emptied): a hit needs both ranks' shards.
+        assert b2_again["cached"][0] == full_hit_tokens(p2[0])
+        assert b2_again["tokens"] == b2["tokens"]
+        assert b["hit_tokens"] >= full_hit_tokens(p1[0]) + full_hit_tokens(p2[0])
         # The engine tier at TP=2: one engine, one reporter (its scheduler's), not one per rank;
         # what its cache holds of the last prompts reaches the index the router reads.
         tier = b["engine_tier"]
