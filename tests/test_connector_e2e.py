@@ -258,29 +258,30 @@ def _block_hashes(prompt: list[int]) -> list[bytes]:
 
 @pytest.mark.slow
 def test_cross_node_engine_loads_blocks_stored_on_other_node(
-    reference: dict[str, Any], tiny_model: str, kvray_ns: str
+    kv_engine: tuple[Any, str], reference: dict[str, Any], tiny_model: str
 ) -> None:
+    """An engine on node A stores a prefix; the module's engine, on another node, loads it."""
     import ray
 
+    llm, ns = kv_engine
     prompts = PROMPTS["xnode"]
-    a = engine_actor(resources={"node_a": 1}).remote(tiny_model, kvray_ns)
-    out_a = ray.get(a.generate.remote(prompts), timeout=300)
-    assert out_a["tokens"] == reference["xnode"]
-    ray.get(a.flush.remote(), timeout=60)
-    node_a = ray.get(a.node_id.remote())
-    ray.get(a.close.remote(), timeout=60)
-    ray.kill(a)
+    a = engine_actor(resources={"node_a": 1}).remote(tiny_model, ns)
+    try:
+        out_a = ray.get(a.generate.remote(prompts), timeout=300)
+        assert out_a["tokens"] == reference["xnode"]
+        ray.get(a.flush.remote(), timeout=60)
+        node_a = ray.get(a.node_id.remote())
+        ray.get(a.close.remote(), timeout=60)
+    finally:
+        ray.kill(a)
 
-    store = kvray.connect(kvray_ns)
+    store = connector_of(llm).store
     store.sync()
-    stats = store.stats()
-    assert stats["nodes"][node_a]["blocks"] > 0, "engine A's blocks should live on node A"
-
-    b = engine_actor(resources={"node_b": 1}).remote(tiny_model, kvray_ns)
-    node_b = ray.get(b.node_id.remote())
-    assert node_b != node_a
-    out_b = ray.get(b.generate.remote(prompts), timeout=300)
-    assert out_b["tokens"] == reference["xnode"]
-    assert out_b["cached"][0] == full_hit_tokens(prompts[0])
-    ray.get(b.close.remote(), timeout=60)
-    ray.kill(b)
+    assert store.stats()["nodes"][node_a]["blocks"] > 0, "engine A's blocks should live on node A"
+    assert ray.get_runtime_context().get_node_id() != node_a
+    finish_delayed_frees(llm)
+    llm.reset_prefix_cache()
+    out_b = generate(llm, prompts)
+    assert token_ids(out_b) == reference["xnode"]
+    # Only A computed these prompts: the prefix can only have come from node A's pool.
+    assert cached_tokens(out_b)[0] == full_hit_tokens(prompts[0])
