@@ -29,7 +29,7 @@ from ray_fixtures import free_port
 
 from kvray.errors import KVRayError
 
-pytestmark = [pytest.mark.slow]  # Ray Serve started and stopped four times
+pytestmark = [pytest.mark.slow]  # Ray Serve started and stopped three times
 
 APP = "kvray-portcheck"
 OTHER = "someone-else"
@@ -113,8 +113,15 @@ def test_a_second_serve_on_another_port_answers_where_it_prints(no_serve: None) 
 
 
 def test_a_serve_with_other_apps_is_refused_in_one_line_or_reused(no_serve: None) -> None:
-    from ray import serve
+    """Refused in one line by the API and by ``kvray serve`` (which then starts no kvray
+    either), or reused where it listens."""
+    import uuid
 
+    from ray import serve
+    from typer.testing import CliRunner
+
+    import kvray
+    from kvray.ops.cli import app
     from kvray.serving.ingress import running_http, serving
 
     port, other_port = free_port(), free_port()
@@ -130,32 +137,14 @@ def test_a_serve_with_other_apps_is_refused_in_one_line_or_reused(no_serve: None
     assert APP not in serve.status().applications
     assert running_http() == ("127.0.0.1", port)  # the other app's Serve is left alone
 
-    # No --port: the running proxy's; Serve (not started by kvray) stays up for the other app.
-    with serving(_models_app(MODEL), APP, "127.0.0.1", None) as ingress:
-        assert ingress.url == f"http://127.0.0.1:{port}/v1" and not ingress.started
-        assert _model_ids(ingress.url) == [MODEL]
-    assert running_http() == ("127.0.0.1", port)
-    assert set(serve.status().applications) == {OTHER}
-    assert ray.is_initialized()
-
-
-def test_cli_serve_refuses_in_one_line_where_serve_listens_elsewhere(no_serve: None) -> None:
-    import uuid
-
-    from ray import serve
-    from typer.testing import CliRunner
-
-    import kvray
-    from kvray.ops.cli import app
-
-    port, other_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(_models_app("other"), name=OTHER, route_prefix="/other")
+    # The same through the CLI: one `error:` line naming where Serve listens; no kvray started.
     ns = f"port{uuid.uuid4().hex[:6]}"
     try:
         res = CliRunner().invoke(
             app, ["serve", "/models/m", "--namespace", ns, "--port", str(other_port)]
         )
+        with pytest.raises(kvray.NotStartedError):
+            kvray.connect(ns)
     finally:
         kvray.stop(ns)
     assert res.exit_code == 1, res.output
@@ -163,3 +152,11 @@ def test_cli_serve_refuses_in_one_line_where_serve_listens_elsewhere(no_serve: N
     assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0], res.output
     assert "kvray serve:" in errors[0] and f"--port {port}" in errors[0]
     assert "Traceback" not in res.output
+
+    # No --port: the running proxy's; Serve (not started by kvray) stays up for the other app.
+    with serving(_models_app(MODEL), APP, "127.0.0.1", None) as ingress:
+        assert ingress.url == f"http://127.0.0.1:{port}/v1" and not ingress.started
+        assert _model_ids(ingress.url) == [MODEL]
+    assert running_http() == ("127.0.0.1", port)
+    assert set(serve.status().applications) == {OTHER}
+    assert ray.is_initialized()

@@ -369,8 +369,7 @@ def _serve_until_interrupted(
     if app_args.get("pd") is None:
         app_args.pop("pd", None)
     app_obj = build_app(model, namespace=cfg.namespace, **app_args)  # validates first
-    if app_args.get("kv_cache", "kvray") == "kvray":
-        kvray.start(cfg)
+    with_kvray = app_args.get("kv_cache", "kvray") == "kvray"
     name = f"kvray-{cfg.namespace}"
     what = (
         f"{app_args['replicas']} replica(s)"
@@ -379,7 +378,9 @@ def _serve_until_interrupted(
     )
     with ExitStack() as stack:
         with console.status(f"starting {what} (vLLM) on Ray Serve LLM"):
-            ingress = stack.enter_context(serving(app_obj, name, host, port))
+            # kvray starts once Serve listens where asked: a refusal leaves nothing started.
+            prepare = (lambda: kvray.start(cfg)) if with_kvray else None
+            ingress = stack.enter_context(serving(app_obj, name, host, port, prepare))
         if ingress.note:
             console.print(f"kvray serve: {ingress.note}", highlight=False)
         served = app_args.get("served_model_name") or model

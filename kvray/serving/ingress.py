@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -161,14 +161,24 @@ def close_ingress(ingress: Ingress, app_name: str) -> None:
 
 
 @contextmanager
-def serving(app: Any, app_name: str, host: str, port: int | None) -> Iterator[Ingress]:
+def serving(
+    app: Any,
+    app_name: str,
+    host: str,
+    port: int | None,
+    prepare: Callable[[], None] | None = None,
+) -> Iterator[Ingress]:
     """Deploy ``app`` (``serve.run``) behind Serve's HTTP proxy at ``host:port``; yields
     where it answers; on exit the app is deleted and Serve stopped if this started it.
+    ``prepare`` runs once the proxy listens where asked, before the deploy (what the app
+    needs, e.g. ``kvray.start``: a refused ingress then leaves nothing started).
     Serve's "deployment failed" (with the replica's error) is a :class:`KVRayError`."""
     from ray import serve
 
     ingress = open_ingress(host, port, app_name)
     try:
+        if prepare is not None:
+            prepare()
         try:
             serve.run(app, name=app_name, route_prefix="/")
         except RuntimeError as e:
