@@ -523,8 +523,14 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     extra = {"capacity": "1MiB", "get_timeout_s": 10, **disk}
     kvray.start(namespace=ns, capacity="1MiB", health_check_interval_s=0.5, **disk)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(ns, **extra)))
-    other = None
+    # B starts in its own process now (its start-up overlaps A's); it stores nothing until asked.
+    other = _LeasingEngine.remote(model, ns, extra)
+    try:
+        llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(ns, **extra)))
+    except BaseException:
+        ray.kill(other)
+        kvray.stop(ns, purge=True)
+        raise
     prompts = make_prompts(2, 200, 30, seed=7)  # 8 blocks of 64 KiB
     theirs = make_prompts(1, 480, 30, seed=8)  # 15 blocks: RAM is 16
     full_hit = full_hit_tokens(prompts[0])
@@ -537,7 +543,6 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
         recomputed = generate(llm, prompts)
         finish_delayed_frees(llm)
         worker_connector_of(llm).worker.flush()
-        other = _LeasingEngine.remote(model, ns, extra)
         first = ray.get(other.generate.remote(theirs), timeout=300)
         ray.get(other.flush.remote(), timeout=60)
         s = _quiet(pool, MiB)
@@ -564,8 +569,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
         assert s["bytes"] <= MiB
         ray.get(other.hold.remote(False), timeout=60)
     finally:
-        if other is not None:
-            ray.get(other.close.remote(), timeout=60)
-            ray.kill(other)
+        ray.get(other.close.remote(), timeout=60)
+        ray.kill(other)
         close_llm(llm)
         kvray.stop(ns, purge=True)
