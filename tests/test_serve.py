@@ -118,7 +118,7 @@ def _wait_running(app: str, timeout: float) -> None:
         if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"app failed to deploy: {status.message}")
         assert time.monotonic() < deadline, f"app not running after {timeout} s: {status}"
-        time.sleep(1)
+        time.sleep(0.25)
 
 
 def _token_prompt(n_tokens: int, seed: int) -> list[int]:
