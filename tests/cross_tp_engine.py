@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector is here
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from kvray.testing.engines import (

@@ -347,7 +347,6 @@ def _main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=1, help="repeat after reset_prefix_cache")
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args(argv)
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     from vllm import LLM
 
     prompts = json.loads(Path(args.prompts).read_text())
@@ -427,7 +426,9 @@ def run_engine_process(
     cmd += ["--rounds", str(rounds), "--max-tokens", str(max_tokens)]
     if namespace:
         cmd += ["--namespace", namespace]
-    full_env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", **(env or {})}
+    # (vLLM's CPU platform spawns its EngineCore and workers whatever the environment says:
+    # each of them imports vLLM again.)
+    full_env = {**os.environ, **(env or {})}
     full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
