@@ -16,7 +16,8 @@ shutdown ... The process will exit"; 1 of 10 with the connector in 2 runs only);
 0 after it, twice. ``VLLM_RUNS`` says which runs build the connector.
 
 Each run is its own process with its own interpreter exit, forked (two at a time) from one
-parent that imported numpy, Ray, kvray, torch and vLLM once and touched nothing else: ten
+parent that imported numpy, Ray, kvray, torch and vLLM once (and loaded numba's kernels) and touched
+nothing else, no Ray connection and no thread: ten
 fresh interpreters paid vLLM's import ten times (68 s of the suite's time).
 """
 
@@ -45,8 +46,9 @@ RUNS = 10
 #: Runs that also build vLLM's connector: all (with two of ten, 1 run of 10 failed before).
 VLLM_RUNS = tuple(range(RUNS))
 
-#: What every run shares and imports before it forks: numpy, Ray, kvray, torch and the parts of
-#: vLLM a run uses (importing vLLM is ~8 CPU-s; ten runs paid it ten times).
+#: What every run shares and imports before it forks: numpy, Ray, kvray (its client, connector
+#: and numba kernels), torch and the parts of vLLM a run uses (importing vLLM is ~8 CPU-s; ten
+#: runs paid it ten times). No Ray connection, no thread: each session makes its own.
 ZYGOTE = """
 import os
 import sys
@@ -60,7 +62,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 import kvray
+import kvray.client
+import kvray.connector.connector
+from kvray.meta.idtable import warm_up
 from kvray.testing.engines import BLOCK_SIZE, kvray_transfer_config
+
+warm_up()  # numba's kernels, loaded once here, not in every session
 
 address, ns, model, runs, vllm_runs, out = sys.argv[1:7]
 running = {}
