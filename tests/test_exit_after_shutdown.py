@@ -16,9 +16,9 @@ shutdown ... The process will exit"; 1 of 10 with the connector in 2 runs only);
 0 after it, twice. ``VLLM_RUNS`` says which runs build the connector.
 
 Each run is its own process with its own interpreter exit, forked (two at a time) from one
-parent that imported numpy, Ray, kvray, torch and vLLM once (and loaded numba's kernels) and touched
-nothing else, no Ray connection and no thread: ten
-fresh interpreters paid vLLM's import ten times (68 s of the suite's time).
+parent that imported numpy, Ray, kvray, torch and vLLM once and loaded numba's kernels, with no
+Ray connection and no thread of its own: ten fresh interpreters paid vLLM's import ten times (68 s
+of the suite's time).
 """
 
 from __future__ import annotations
