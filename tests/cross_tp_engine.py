@@ -5,9 +5,9 @@ runs an engine (EngineCore in this process, TP workers in vLLM's worker processe
 *steps*: ``{"prompts": [[token ids]...], "salt": str | null, "reset": bool}`` (``salt`` is
 vLLM's ``cache_salt``: other block hashes, so the engine computes the prompt itself; ``reset``
 waits for every rank's saves so far, then empties vLLM's prefix cache, so the step's hits can
-only come from kvray). Every
-rank's connector records, by block hash, the bytes of its share of each block it loaded and
-each block it stored (:func:`install_recorder`), read back with ``collective_rpc``.
+only come from kvray). Every rank's connector records, by block hash, the bytes of its share of
+each block it loaded and each block it stored (:func:`install_recorder`), read back with
+``collective_rpc``.
 
 The output: per step the token ids and cached tokens; the scheduler's hit figures and transfer
 counters; per rank its heads, whether it writes, its counters and the recorded blocks.

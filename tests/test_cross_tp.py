@@ -7,8 +7,8 @@
   sizes, ISAs and GPU layouts never share keys.
 - Real vLLM on CPU (float32 tiny Llamas): a TP=1 engine stores, a TP=2 engine loads (hits
   counted, tokens and KV as its own recompute), stores, reads its own two-shard blocks back
-  after emptying vLLM's cache, and the TP=1 engine loads them; a model
-  with one KV head at TP=2 stores each block once and both ranks read it.
+  after emptying vLLM's cache, and the TP=1 engine loads them; a model with one KV head at
+  TP=2 stores each block once and both ranks read it.
 """
 
 from __future__ import annotations
