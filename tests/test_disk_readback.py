@@ -525,12 +525,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # B starts in its own process now (its start-up overlaps A's); it stores nothing until asked.
     other = _LeasingEngine.remote(model, ns, extra)
-    try:
-        llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(ns, **extra)))
-    except BaseException:
-        ray.kill(other)
-        kvray.stop(ns, purge=True)
-        raise
+    llm = None
     prompts = make_prompts(2, 200, 30, seed=7)  # 8 blocks of 64 KiB
     theirs = make_prompts(1, 480, 30, seed=8)  # 15 blocks: RAM is 16
     full_hit = full_hit_tokens(prompts[0])
@@ -539,6 +534,7 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
         return connector_of(llm).scheduler.counters.add(worker_connector_of(llm).worker.counters())
 
     try:
+        llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(ns, **extra)))
         pool = _my_pool(ns)
         recomputed = generate(llm, prompts)
         finish_delayed_frees(llm)
@@ -571,5 +567,6 @@ def test_vllm_loads_a_prefix_from_disk_while_ram_is_leased_by_another_engine(
     finally:
         ray.get(other.close.remote(), timeout=60)
         ray.kill(other)
-        close_llm(llm)
+        if llm is not None:
+            close_llm(llm)
         kvray.stop(ns, purge=True)

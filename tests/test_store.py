@@ -52,7 +52,8 @@ def _lookup_get_on_node(ns: str, keys: list[bytes]) -> tuple[str, int, list[byte
 
 def test_put_on_node_a_get_on_node_b_bytes_equal(module_ns: str) -> None:
     keys = _keys(12)
-    before = kvray.connect(module_ns).stats()
+    store = kvray.connect(module_ns)
+    before = store.stats()
     node_a, result = ray.get(
         _put_on_node.options(resources={"node_a": 0.01}).remote(module_ns, keys, 7, 12)
     )
@@ -64,7 +65,8 @@ def test_put_on_node_a_get_on_node_b_bytes_equal(module_ns: str) -> None:
     assert n == 12
     assert data == [b.tobytes() for b in _blocks(12, seed=7)]
     # The blocks live in node A's pool, not B's.
-    stats = kvray.connect(module_ns).stats()
+    stats = store.stats()
+    store.close()
     assert stats["nodes"][node_a]["blocks"] == before["nodes"][node_a]["blocks"] + 12
     assert stats["nodes"][node_b]["blocks"] == before["nodes"][node_b]["blocks"]
     assert stats["nodes"][node_a]["hits"] == before["nodes"][node_a]["hits"] + 12
