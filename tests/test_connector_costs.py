@@ -94,6 +94,49 @@ def test_a_slow_pool_is_measured_and_its_hit_recomputed(
     assert list(first.output_token_ids) == list(second.output_token_ids)
 
 
+def test_a_prefix_that_would_not_pay_to_load_is_not_stored(
+    harness_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves priced: once this engine measured its local loads slower than recomputing, a new
+    prompt's blocks are not stored (no store job, kvray holds none of them, counted once);
+    once the estimates decay, the next prompt's blocks are stored again."""
+    h = harness_factory(load_mode="sync", price_loads=True)
+    sc = h.sconn
+    _warm_up(h)
+    stored_before = sc.counters.stored_blocks
+    assert stored_before > 0  # cold: the warm-up prompts were stored
+    now = time.monotonic()
+    for i in range(4):  # what a slow pool measured: ~1 s a load of any size
+        sc.pricing.engine.observe_load("local", (2 + i) * BLOCK_SIZE, 1.0, now)
+    sc.pricing.refresh_soon()
+    h.step()
+    assert sc.pricing.costs.load("local") is not None
+    assert not sc.pricing.worth_storing(6 * BLOCK_SIZE)
+
+    def stores_of(p: list[int]) -> tuple[Any, list[Any]]:
+        req = h.add(p, max_tokens=2 * BLOCK_SIZE)  # decodes fill blocks too
+        specs = []
+        while h.scheduler.has_requests():
+            specs += h.step().kv_connector_metadata.stores.values()
+        h.settle()
+        return req, [s for s in specs if s.req_id == req.request_id]
+
+    req, specs = stores_of(prompt(6 * BLOCK_SIZE + 5, seed=31))
+    assert specs == [] and sc.counters.stored_blocks == stored_before
+    assert sc._find_hit([bytes(x) for x in req.block_hashes])[0] == 0
+    assert sc.pricing.saves_declined == 1
+
+    # the engine's estimates age out (an hour later): stores are made again
+    later = now + 3600.0
+    monkeypatch.setattr(sc.pricing, "clock", lambda: later)
+    sc.pricing.refresh_soon()
+    h.step()
+    assert sc.pricing.worth_storing(6 * BLOCK_SIZE)
+    req, specs = stores_of(prompt(6 * BLOCK_SIZE + 5, seed=32))
+    assert specs and sc._find_hit([bytes(x) for x in req.block_hashes])[0] >= 6
+    assert sc.pricing.saves_declined == 1
+
+
 def test_cold_start_loads_every_hit(harness_factory: Any) -> None:
     """No estimate yet: today's behaviour exactly (the hit is loaded, nothing declined)."""
     h = harness_factory(load_mode="sync", price_loads=True)

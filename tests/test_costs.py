@@ -263,3 +263,36 @@ def test_decode_steps_price_each_running_request() -> None:
     kw = dict(local_tokens=0, remote_tokens=0, computed_tokens=256)
     p_idle, p_busy = predicted_ttft(c, **kw), predicted_ttft(busy, **kw)  # type: ignore[arg-type]
     assert p_idle is not None and p_busy == pytest.approx(p_idle + 4 * 0.002)
+
+
+def test_a_store_is_worth_making_only_where_its_later_load_pays() -> None:
+    """Saves priced (issue 32): until the prefill and the local load path are measured every
+    store is made; where a local load of the prefix costs more than its recompute, none; a
+    long prefix whose load amortises the load's fixed cost is stored while a short one is not;
+    once the load samples decay, stores are made again."""
+    from kvray.connector.pricing import Pricing
+
+    now = [0.0]
+    p = Pricing(32, 1, "pool-a", clock=lambda: now[0])
+    assert p.worth_storing(512)  # nothing measured
+    for i in range(20):
+        p.engine.observe_step(1000 if i % 2 else 0, 0.01 + (1000 if i % 2 else 0) * 1e-4, i * 0.1)
+    now[0] = 2.0
+    p.costs = p.engine.costs(now[0])
+    assert p.warm and p.worth_storing(512)  # the local load path was never measured
+    # a local load costs 0.05 s + 5e-5 s a token against 1e-4 s a token to recompute: it pays
+    # beyond 1,000 tokens
+    for i, n in enumerate((256, 512, 2048, 4096)):
+        p.engine.observe_load("local", n, 0.05 + n * 5e-5, 2.0 + i * 0.01)
+    p.costs = p.engine.costs(2.1)
+    assert not p.worth_storing(512)
+    assert p.worth_storing(4096)
+    # the engine keeps stepping, no load is tried: the load samples expire, stores resume
+    t = 2.1
+    while t < 2.1 + 8 * HALF_LIFE_S:
+        p.engine.observe_step(1000, 0.11, t)
+        p.engine.observe_step(0, 0.01, t + 0.05)
+        t += 0.1
+    p.costs = p.engine.costs(t)
+    assert p.warm and p.costs.load("local") is None
+    assert p.worth_storing(512)

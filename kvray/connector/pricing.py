@@ -76,6 +76,8 @@ class Pricing:
         self.loads = 0
         self.loads_declined = 0
         self.tokens_declined = 0
+        #: Requests whose blocks were not stored (a later hit of them would not be loaded).
+        self.saves_declined = 0
 
     # ------------------------------------------------------------ steps
     def step(self, so: SchedulerOutput, requests: Mapping[str, Any]) -> None:
@@ -162,6 +164,15 @@ class Pricing:
         if not self.warm or not locs.size:
             return int(locs.size) * self.block_size
         return tokens_to_load(self.runs(locs), self.costs)
+
+    def worth_storing(self, tokens: int) -> bool:
+        """Whether a later hit of a prefix of ``tokens``, from this node's pool (the cheapest
+        tier), would be loaded by this engine's measured costs. True until the prefill and the
+        local load path are both measured: a store never measured is made (and a path whose
+        samples decayed is tried again, as loads are)."""
+        if not self.warm or tokens <= 0 or self.costs.load("local") is None:
+            return True
+        return tokens_to_load([("local", tokens)], self.costs) > 0
 
     def declined(self, tokens: int) -> None:
         """A hit (or its tail) of ``tokens`` left to vLLM to compute."""

@@ -100,6 +100,8 @@ class _RequestState:
     handoff_begun: bool = False
     #: Its hit was priced and found cheaper to compute (declines count once a request).
     declined: bool = False
+    #: Its blocks were found not worth storing (counted once a request).
+    save_declined: bool = False
     #: Its prompt tokens left to compute were measured (once, at its first allocation).
     seen: bool = False
 
@@ -355,7 +357,11 @@ class KVRayConnectorScheduler:
     # ---------------------------------------------------------------- stores
     def _plan_store(self, state: _RequestState, upto_blocks: int, *, finish: bool = False) -> bool:
         """Store jobs (each fitting staging) for full-attention blocks [planned, upto) kvray
-        does not hold, and the windows of sliding-window groups before anchors reached."""
+        does not hold, and the windows of sliding-window groups before anchors reached.
+        Nothing is planned while a later hit of the request's prefix would not pay to load
+        (:meth:`_worth_storing`); what is not planned stays to be planned at a later step."""
+        if not self._worth_storing(state, upto_blocks):
+            return False
         planned = self._plan_windows(state, upto_blocks, finish) if self._windows else False
         first = state.num_planned_blocks
         if upto_blocks <= first:
@@ -375,6 +381,21 @@ class KVRayConnectorScheduler:
             for a in range(0, len(idx), step):
                 planned |= self._store_job(state, idx[a : a + step], finish, g) is not None
         return planned
+
+    def _worth_storing(self, state: _RequestState, upto_blocks: int) -> bool:
+        """With ``price_loads``, a request's blocks are stored only while a later hit of its
+        prefix up to ``upto_blocks`` would be loaded from this node's pool by this engine's
+        costs (where recomputing a prefix beats loading it, storing it costs the engine's
+        cores for nothing). A prefill's blocks for a remote decode are always stored."""
+        if not self.price_loads or wants_handoff(state.request.kv_transfer_params):
+            return True
+        if self.pricing.worth_storing(upto_blocks * self.block_size):
+            return True
+        if not state.save_declined:
+            state.save_declined = True
+            self.pricing.saves_declined += 1
+            self.store.count(saves_declined=1)
+        return False
 
     def _plan_windows(self, state: _RequestState, upto_blocks: int, finish: bool) -> bool:
         """Sliding-window groups store the window before each anchor computed so far (blocks

@@ -53,6 +53,10 @@ _CLIENT_COUNTERS = {
         "kvray_tokens_declined",
         "Tokens of hits computed by vLLM instead of loaded (the load would cost more)",
     ),
+    "saves_declined": (
+        "kvray_saves_declined",
+        "Requests whose blocks the connector did not store: a later hit would not be loaded",
+    ),
 }
 _CLIENT_GAUGES = {
     "view_blocks": ("kvray_view_blocks", "Visible blocks in this process's local view"),
@@ -132,6 +136,7 @@ class ClientTally:
         self.tokens_loaded = 0
         self.loads_declined = 0
         self.tokens_declined = 0
+        self.saves_declined = 0
         self.load_latencies: list[float] = []
         self.store_latencies: list[float] = []
         self.view_blocks = -1
