@@ -373,3 +373,25 @@ def test_grafana_dashboard_is_well_formed() -> None:
             assert depth >= 0, e
         assert depth == 0, e
     assert len(_plotted()) >= 20
+
+
+def test_a_counter_that_cannot_start_at_zero_is_logged_once_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``export_zero`` uses a private Ray API: where it fails, the series starts at its first
+    event, said once in the log and counted, not swallowed."""
+    from kvray.metrics import common
+
+    class Refusing:
+        def _record(self, value: float, tags: dict[str, str]) -> None:
+            raise AttributeError("no _record in this Ray")
+
+    before = common.export_zero_failures
+    with caplog.at_level("WARNING", logger="kvray.metrics.common"):
+        common.export_zero(Refusing(), {"namespace": "x"})  # type: ignore[arg-type]
+        common.export_zero(Refusing(), {"namespace": "y"})  # type: ignore[arg-type]
+    assert common.export_zero_failures == before + 2
+    said = [r for r in caplog.records if "start at their first event" in r.getMessage()]
+    assert len(said) == (1 if before == 0 else 0)
+    if said:
+        assert "AttributeError: no _record in this Ray" in said[0].getMessage()
