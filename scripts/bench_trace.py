@@ -24,17 +24,13 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import os
 import statistics
-import sys
 import time
 import uuid
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvray.meta.eviction import simulate
 
