@@ -359,8 +359,9 @@ class KVRayConnectorScheduler:
         """Store jobs (each fitting staging) for full-attention blocks [planned, upto) kvray
         does not hold, and the windows of sliding-window groups before anchors reached.
         Nothing is planned while a later hit of the request's prefix would not pay to load
-        (:meth:`_worth_storing`); what is not planned stays to be planned at a later step."""
-        if not self._worth_storing(state, upto_blocks):
+        (:meth:`_worth_storing`, asked only when there are new blocks to plan); what is not
+        planned stays to be planned at a later step."""
+        if upto_blocks > state.num_planned_blocks and not self._worth_storing(state, upto_blocks):
             return False
         planned = self._plan_windows(state, upto_blocks, finish) if self._windows else False
         first = state.num_planned_blocks
