@@ -92,7 +92,9 @@ def served(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
             engine_args=ENGINE_ARGS,
             num_cpus=2,  # a whole simulated node each: the replicas land on two nodes
         )
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One proxy (the head's): the clients call 127.0.0.1; a proxy per simulated node is ~5 CPU-s
+        # of startup for nothing.
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(app, name=APP, route_prefix="/", blocking=False)
         _wait_running(APP, timeout=600)
         handle = serve.get_deployment_handle(f"LLMServer:{MODEL}", APP).options(
