@@ -362,3 +362,41 @@ def test_prefix_by_node_counts_leading_keys_per_node(module_ns: str) -> None:
         assert store.prefix_by_node(keys[4:])[node_a] == 0
     finally:
         store.close()
+
+
+def test_an_idle_feed_wakes_once_a_second_and_closes_at_once(module_ns: str) -> None:
+    """A subscribed store's feed thread sleeps in its long polls (one wake a poll, about a
+    second each, not ten: every wake is a ``ray.wait``, ~17 ms of CPU a second per feed on
+    the 2-core box), and ``close`` cancels the poll in flight instead of waiting it out."""
+    import time
+
+    from kvray.feed import POLL_WAIT_S
+
+    store = kvray.connect(module_ns)
+    closed = False
+    try:
+        assert store.feed is not None
+        feed = store.feed
+        store.sync()
+        w0, t0 = feed.wakes, time.monotonic()
+        time.sleep(3 * POLL_WAIT_S)
+        woke, elapsed = feed.wakes - w0, time.monotonic() - t0
+        shards = store.num_index_shards
+        # Another test's namespace does not wake this one; a poll answers within POLL_WAIT_S.
+        assert woke <= shards * (elapsed / POLL_WAIT_S + 2), (woke, elapsed)
+        # A change answers the poll in flight; the feed polls again 10 ms later, and that
+        # poll, left alone, would answer about a second after.
+        keys = _keys(1, "idle-feed")
+        store.put(keys, _blocks(1)).result(timeout=30)
+        wait_for(lambda: store.lookup(keys) == 1, 10, "the put in the feed's view")
+        time.sleep(0.1)
+        t1 = time.monotonic()
+        store.close()
+        closed = True
+        took = time.monotonic() - t1
+        print(f"idle feed: {woke} wakes in {elapsed:.1f} s; close took {took * 1e3:.0f} ms")
+        assert not feed._thread._thread.is_alive()
+        assert took < 0.6 * POLL_WAIT_S, f"close waited for the long poll ({took:.2f} s)"
+    finally:
+        if not closed:
+            store.close()
