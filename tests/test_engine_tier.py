@@ -341,7 +341,11 @@ def test_a_view_without_the_engine_tier_is_neither_fed_nor_woken_by_engine_churn
         keys = [b"churn" + h for h in last]
         sched.put(keys, np.ones((4, 64), dtype=np.uint8)).result(timeout=30)
         _until(lambda: sched.lookup(keys) == 4, "a stored block in the scheduler's view", 10)
-        # Switched on: the next answers are snapshots with the engine tier.
+        # Switched on: the next answers are snapshots with the engine tier. The engine's rows
+        # live ENGINE_TTL_S past its last report: from here it heartbeats, as a real engine does
+        # (under load the steps above can outlast the TTL, and the rows expire before the
+        # snapshot could show them).
+        rep._thread.start()
         sched.subscribe(engine_view=True)
         _until(lambda: _engine_prefix(sched, "replica-churn", last) == 4, "switched on", 10)
     finally:
