@@ -29,8 +29,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # a cache, and a cached torch wheel doubles what the install writes (CI once ran out of disk
   # installing torch, cause unknown). One retry: a full disk on a shared host can be brief.
   # The .pyc are compiled here, not left to first import: where PYTHONDONTWRITEBYTECODE is set
-  # (it is on these machines), Python never writes them: every process would compile every module it
-  # imports (tried: the suite took 1,958 s instead of ~1,226 s).
+  # (it is on these machines), Python never writes them, and every process would compile every
+  # module it imports (tried: the suite took 1,958 s instead of ~1,226 s).
   export PIP_NO_CACHE_DIR=1 TMPDIR="$VENV/.pip-tmp"
   mkdir -p "$TMPDIR"
   PIP_ONCE=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
