@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.exceptions import ObjectStoreFullError, OutOfDiskError
 
 from kvray.blocks import Blocks, Read, checksums
 from kvray.cluster import local_node_id
@@ -67,6 +68,7 @@ class BlockIO:
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self.refused_inflight = 0
+        self.refused_no_room = 0  # blocks whose segment this node's object store had no room for
         self._puts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvray-put")
         self._release_cv = threading.Condition()
         self._releases: dict[str, list[tuple[int, int]]] = {}  # pool name -> (lease, bytes)
@@ -165,7 +167,14 @@ class BlockIO:
                 # A small segment goes inside the call; a larger one through the object
                 # store, which the pool maps zero-copy.
                 seg_nbytes = int(sizes.sum())
-                ref = seg if seg_nbytes <= INLINE_BYTES else ray.put(seg)
+                try:
+                    ref = seg if seg_nbytes <= INLINE_BYTES else ray.put(seg)
+                except (ObjectStoreFullError, OutOfDiskError) as e:
+                    # No room in this node's object store, nor on its disk: a cache refuses
+                    # what it cannot hold (counted), as a pool does; the next segment may fit.
+                    self._refuse_no_room(b - a, seg_nbytes, e)
+                    pending.append((b - a, None))
+                    continue
                 pending.append(
                     (
                         b - a,
@@ -183,6 +192,9 @@ class BlockIO:
                 )
             result = PutResult()
             for n, ref in pending:
+                if ref is None:
+                    result = result + PutResult(0, 0, n)
+                    continue
                 try:
                     r: PutResult = ray.get(ref, timeout=self.config.put_timeout_s)
                 except Exception as e:
@@ -196,6 +208,19 @@ class BlockIO:
         finally:
             with self._inflight_lock:
                 self._inflight -= nbytes
+
+    def _refuse_no_room(self, n: int, nbytes: int, error: BaseException) -> None:
+        self.tally.add(refused_no_room=n)
+        with self._inflight_lock:
+            self.refused_no_room += n
+            first = self.refused_no_room == n
+        (logger.warning if first else logger.debug)(
+            "kvray put: %d blocks (%d bytes) refused: no room in this node's object store "
+            "(%s); further refusals are counted in stats()['refused_no_room']",
+            n,
+            nbytes,
+            type(error).__name__,
+        )
 
     def _segments(self, blocks: Blocks) -> list[tuple[int, int]]:
         """[a, b) ranges of at most ``segment_bytes`` each (at least one block)."""

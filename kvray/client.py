@@ -375,6 +375,7 @@ class Store:
             "view_keys": len(view) if view is not None else 0,
             "view_bytes": view.nbytes if view is not None else 0,
             "refused_inflight": self.io.refused_inflight,
+            "refused_no_room": self.io.refused_no_room,
             "thread_deaths": self.thread_deaths,
         }
         ns = self.config.namespace

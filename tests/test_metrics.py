@@ -185,6 +185,7 @@ def test_every_documented_metric_is_exported_with_its_value(disk_ns: str) -> Non
         nbytes = float(N_BLOCKS * BLOCK)
         zero = [
             "pool_misses_total",
+            "puts_refused_no_room_total",
             "pool_evictions_total",
             "pool_refused_puts_total",
             "pool_lost_blocks_total",

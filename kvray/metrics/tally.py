@@ -57,6 +57,10 @@ _CLIENT_COUNTERS = {
         "kvray_saves_declined",
         "Requests whose blocks the connector did not store: a later hit would not be loaded",
     ),
+    "refused_no_room": (
+        "kvray_puts_refused_no_room",
+        "Blocks a put refused: this node's object store and its disk had no room for them",
+    ),
 }
 _CLIENT_GAUGES = {
     "view_blocks": ("kvray_view_blocks", "Visible blocks in this process's local view"),
@@ -137,6 +141,7 @@ class ClientTally:
         self.loads_declined = 0
         self.tokens_declined = 0
         self.saves_declined = 0
+        self.refused_no_room = 0
         self.load_latencies: list[float] = []
         self.store_latencies: list[float] = []
         self.view_blocks = -1
