@@ -495,26 +495,73 @@ def test_kv_cache_none_builds_the_same_app_without_kvray() -> None:
 
 
 def test_cpu_replicas_get_their_own_unbound_threads_and_a_users_env_wins() -> None:
-    from kvray.serving.app import BIND_ENV, build_llm_config
+    from kvray.serving.app import BIND_ENV, THREADS_KWARG, build_llm_config
+
+    def shares(cfg: Any) -> dict[str, str]:
+        return dict(cfg.callback_config.callback_kwargs.get(THREADS_KWARG) or {})
 
     for kv_cache in ("kvray", "none"):  # the baseline without kvray gets the same
         cfg = build_llm_config("/models/m", kv_cache=kv_cache, num_cpus=4)  # type: ignore[arg-type]
-        assert cfg.runtime_env["env_vars"] == {BIND_ENV: "nobind", "OMP_NUM_THREADS": "3"}
+        assert shares(cfg) == {BIND_ENV: "nobind", "OMP_NUM_THREADS": "3"}
+        assert not (cfg.runtime_env or {}).get("env_vars")  # the node's binding must show
     tp2 = build_llm_config("/models/m", num_cpus=8, engine_args={"tensor_parallel_size": 2})
-    assert tp2.runtime_env["env_vars"]["OMP_NUM_THREADS"] == "3"  # 4 a rank, less one
+    assert shares(tp2)["OMP_NUM_THREADS"] == "3"  # 4 a rank, less one
     one = build_llm_config("/models/m", num_cpus=1)
-    assert one.runtime_env["env_vars"]["OMP_NUM_THREADS"] == "1"
+    assert shares(one)["OMP_NUM_THREADS"] == "1"
     mine = build_llm_config(
         "/models/m",
         num_cpus=4,
         runtime_env={"env_vars": {BIND_ENV: "0-1", "X": "y"}, "pip": ["six"]},
     )
-    assert mine.runtime_env["env_vars"] == {BIND_ENV: "0-1", "OMP_NUM_THREADS": "3", "X": "y"}
+    assert mine.runtime_env["env_vars"] == {BIND_ENV: "0-1", "X": "y"}
+    assert shares(mine) == {"OMP_NUM_THREADS": "3"}
     assert mine.runtime_env["pip"] == ["six"]
     gpu = build_llm_config("/models/m", num_cpus=4, num_gpus=1)
-    assert not (gpu.runtime_env or {}).get("env_vars")
+    assert not shares(gpu) and not (gpu.runtime_env or {}).get("env_vars")
     kept = build_llm_config("/models/m", num_cpus=4, cpu_threads=False)  # the nodes' binding
-    assert not (kept.runtime_env or {}).get("env_vars")
+    assert not shares(kept) and not (kept.runtime_env or {}).get("env_vars")
+
+
+def test_a_nodes_own_binding_wins_over_the_thread_shares() -> None:
+    """The replica's callback sets the shares in its environment before the engine starts
+    (the engine's processes inherit it), except where the node already binds: an operator's
+    ``VLLM_CPU_OMP_THREADS_BIND=... ray start`` reaches the engine unchanged. Through the
+    replica's runtime_env (before), the shares overrode it."""
+    import asyncio
+
+    from kvray.serving.app import BIND_ENV, build_llm_config
+    from kvray.serving.nodeinit import SkipIdleNodeInit, apply_thread_shares
+
+    shares = {BIND_ENV: "nobind", "OMP_NUM_THREADS": "3"}
+    node = {BIND_ENV: "0-1|2-3", "OMP_NUM_THREADS": "1"}
+    assert not apply_thread_shares(shares, node)
+    assert node == {BIND_ENV: "0-1|2-3", "OMP_NUM_THREADS": "1"}
+    plain = {"OMP_NUM_THREADS": "1"}  # what Ray sets in a worker with no CPUs of its own
+    assert apply_thread_shares(shares, plain) and plain == shares
+    user_bound = {BIND_ENV: "0-1"}  # the user's runtime_env bound: only the threads are ours
+    assert apply_thread_shares({"OMP_NUM_THREADS": "3"}, user_bound)
+    assert user_bound == {BIND_ENV: "0-1", "OMP_NUM_THREADS": "3"}
+
+    # The callback as Ray Serve LLM runs it in a replica, on this process's environment.
+    cfg = build_llm_config("/models/m", num_cpus=4)
+    saved = {k: os.environ.get(k) for k in shares}
+    try:
+        os.environ[BIND_ENV] = "0-1|2-3"
+        asyncio.run(
+            SkipIdleNodeInit(cfg, **cfg.callback_config.callback_kwargs).on_before_node_init()
+        )
+        assert os.environ[BIND_ENV] == "0-1|2-3"
+        del os.environ[BIND_ENV]
+        asyncio.run(
+            SkipIdleNodeInit(cfg, **cfg.callback_config.callback_kwargs).on_before_node_init()
+        )
+        assert {k: os.environ[k] for k in shares} == shares
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_node_init_is_skipped_only_where_it_would_fetch_nothing(tmp_path: Any) -> None:

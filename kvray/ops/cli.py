@@ -325,8 +325,9 @@ def serve(
         bool,
         typer.Option(
             help="CPU replicas: each engine its own share of unbound OpenMP threads (vLLM-CPU "
-            "otherwise binds every replica of a node to the same cores); --no-cpu-threads "
-            "keeps vLLM-CPU's binding or your nodes' VLLM_CPU_OMP_THREADS_BIND"
+            "otherwise binds every replica of a node to the same cores), except on nodes that "
+            "set VLLM_CPU_OMP_THREADS_BIND themselves; --no-cpu-threads keeps vLLM-CPU's "
+            "binding everywhere"
         ),
     ] = True,
 ) -> None:

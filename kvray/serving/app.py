@@ -25,6 +25,8 @@ KV_CACHES: tuple[str, ...] = ("kvray", "none")
 _RESERVED = ("model", "served_model_name", "kv_transfer_config")
 #: The Ray Serve LLM callback every replica runs (:class:`kvray.serving.nodeinit.SkipIdleNodeInit`).
 NODE_INIT_CALLBACK = "kvray.serving.nodeinit.SkipIdleNodeInit"
+#: The callback's keyword argument carrying a CPU replica's thread settings.
+THREADS_KWARG = "cpu_threads"
 #: vLLM-CPU's OpenMP binding: ``auto`` binds each engine's threads to the node's cores minus the
 #: reserved ones, the same cores for every replica on the node.
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -79,9 +81,10 @@ def build_llm_config(
     Each replica (its engine processes included) takes ``num_cpus`` CPUs and ``num_gpus`` GPUs,
     one placement-group bundle; replicas that take a whole node's CPUs land on distinct nodes.
     ``cpu_threads``: a CPU replica's engine gets its own share of OpenMP threads, unbound
-    (:func:`cpu_thread_env`), unless ``runtime_env``'s ``env_vars`` say otherwise; False
-    leaves vLLM-CPU's binding (or the nodes' own ``VLLM_CPU_OMP_THREADS_BIND``, which the
-    replica's ``runtime_env`` would override) alone.
+    (:func:`cpu_thread_env`, set in the replica before its engine starts), except for what
+    ``runtime_env``'s ``env_vars`` set, and not at all on a node whose own environment sets
+    ``VLLM_CPU_OMP_THREADS_BIND`` (an operator's binding wins); False leaves vLLM-CPU's
+    binding alone everywhere.
     """
     from ray.serve.config import RequestRouterConfig
     from ray.serve.llm import LLMConfig
@@ -117,16 +120,21 @@ def build_llm_config(
     if num_gpus:
         bundle["GPU"] = num_gpus
     served = served_model_name or model
+    # No node-initialization task per replica start when it would fetch nothing; the thread
+    # shares are set by the same callback in the replica, where a node's own binding shows.
+    callback: dict[str, Any] = {"callback_class": NODE_INIT_CALLBACK}
+    env = dict(runtime_env or {})
+    if cpu_threads and not num_gpus:  # the user's own settings win
+        mine = dict(env.get("env_vars") or {})
+        threads = {k: v for k, v in cpu_thread_env(num_cpus, args).items() if k not in mine}
+        if threads:
+            callback["callback_kwargs"] = {THREADS_KWARG: threads}
     base: dict[str, Any] = {
         "model_loading_config": {"model_id": served, "model_source": model},
         "engine_kwargs": args,
         "placement_group_config": {"bundles": [bundle]},
-        # No node-initialization task per replica start when it would fetch nothing.
-        "callback_config": {"callback_class": NODE_INIT_CALLBACK},
+        "callback_config": callback,
     }
-    env = dict(runtime_env or {})
-    if cpu_threads and not num_gpus:  # the user's own settings win
-        env["env_vars"] = {**cpu_thread_env(num_cpus, args), **dict(env.get("env_vars") or {})}
     if env:
         base["runtime_env"] = env
     deployment: dict[str, Any] = {"num_replicas": replicas, **dict(deployment_config or {})}

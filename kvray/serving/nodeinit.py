@@ -10,19 +10,45 @@ modules first: 8.5 CPU-s a replica start on the 2-core box, waited for before th
 (``CallbackCtx.run_init_node``) skips the task; :class:`SkipIdleNodeInit` does so exactly when
 the task would fetch nothing, and does the one thing it would have done, on the replica's node
 only (a placement group spanning nodes no longer creates that directory on the others).
+
+The same hook gives a CPU replica's engine its thread shares (``build_llm_config``'s
+``cpu_threads``): set in the replica's own environment before the engine's processes start,
+which inherit them, unless the node's environment already sets ``VLLM_CPU_OMP_THREADS_BIND``:
+an operator who bound the node's cores (``VLLM_CPU_OMP_THREADS_BIND=... ray start``) keeps
+that binding. Set through the replica's ``runtime_env``, the shares overrode it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
+from kvray.serving.app import BIND_ENV, THREADS_KWARG
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["SkipIdleNodeInit", "fetches_nothing"]
+__all__ = ["SkipIdleNodeInit", "apply_thread_shares", "fetches_nothing"]
+
+
+def apply_thread_shares(shares: dict[str, str], environ: MutableMapping[str, str]) -> bool:
+    """Put ``shares`` (``build_llm_config``'s thread settings) into ``environ`` unless they
+    bind and ``environ`` already has a binding of its own (the node's); True if applied."""
+    if not shares:
+        return False
+    if BIND_ENV in shares and BIND_ENV in environ:
+        logger.info(
+            "kvray: this node sets %s=%s; its engine keeps that binding, not kvray's shares %s",
+            BIND_ENV,
+            environ[BIND_ENV],
+            shares,
+        )
+        return False
+    environ.update(shares)
+    return True
 
 
 def fetches_nothing(engine_config: Any) -> bool:
@@ -39,6 +65,7 @@ class SkipIdleNodeInit(CallbackBase):
     """Ray Serve LLM callback: skip the node-initialization task when it would fetch nothing."""
 
     async def on_before_node_init(self) -> None:
+        apply_thread_shares(dict(self.kwargs.get(THREADS_KWARG) or {}), os.environ)
         if not fetches_nothing(self.llm_config.get_engine_config()):
             return
         import torch
