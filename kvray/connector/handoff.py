@@ -301,11 +301,20 @@ class HandoffPlanner:
             handoff = read_handoff(params, self.key_space, block_hashes)
         except HandoffError as e:
             self.rejected += 1
-            logger.warning("kvray: ignoring the handoff of a request (recomputed instead): %s", e)
+            logger.warning(
+                "kvray: ignoring the handoff of a request (its prefix is looked up as any "
+                "request's: loaded where kvray holds it, else computed): %s",
+                e,
+            )
             return None
         except Exception as e:  # garbage of any shape is the same: recompute
             self.rejected += 1
-            logger.warning("kvray: unreadable handoff params (%s: %s)", type(e).__name__, e)
+            logger.warning(
+                "kvray: unreadable handoff params, ignored (its prefix is looked up as any "
+                "request's): %s: %s",
+                type(e).__name__,
+                e,
+            )
             return None
         if handoff is not None:
             self.received += 1
