@@ -151,13 +151,28 @@ class NamespaceRelay:
     def _start() -> tuple[str, frozenset[str]]:
         nodes = _alive_nodes()
         ns = f"t{uuid.uuid4().hex[:10]}"
-        kvray.start(namespace=ns, **NAMESPACE_FIELDS)
+        try:
+            kvray.start(namespace=ns, **NAMESPACE_FIELDS)
+        except BaseException:  # no half-started namespace stays behind: nobody knows its name
+            with contextlib.suppress(Exception):
+                kvray.stop(ns)
+            raise
         return ns, nodes
+
+    def _stop_when_started(self, fut: Future[tuple[str, frozenset[str]]]) -> None:
+        """A start given up on (too slow) is stopped once it ends, not left running."""
+        if fut.exception() is None:
+            with contextlib.suppress(RuntimeError):  # the relay closed meanwhile
+                self._threads.submit(kvray.stop, fut.result()[0])
 
     def take(self) -> str:
         while self._ahead:
+            fut = self._ahead.popleft()
             try:
-                ns, nodes = self._ahead.popleft().result(timeout=120)
+                ns, nodes = fut.result(timeout=120)
+            except TimeoutError:
+                fut.add_done_callback(self._stop_when_started)
+                continue
             except Exception:  # started in line below; the test sees that error if any
                 continue
             if nodes == _alive_nodes():
