@@ -447,3 +447,32 @@ def test_mamba_groups_are_refused_in_one_line(model_dir: str, module_ns: str) ->
             "kvray stores full-attention and sliding-window groups only; "
             "run this model without kvray"
         )
+
+
+def test_a_router_keys_a_hybrid_prompt_by_the_group_that_decides_hits(
+    engines: Any, module_ns: str
+) -> None:
+    """What a router computes for a hybrid engine's prompt, from the key space the engine
+    published (``kvray.serving.prompts.BlockHasher``, the code ``KVRayRouter`` runs), are the
+    keys of its full-attention group, the group that decides hits: the prompt's stored prefix
+    shows on the engine's node through them. The window group keeps only the last blocks
+    before the prompt's end, so keyed by it a router would see no prefix at all."""
+    from kvray.keys import make_keys
+    from kvray.registry import key_spaces
+    from kvray.serving.prompts import BlockHasher
+
+    a = engines()
+    p = prompt(10 * BLOCK_SIZE + 5, seed=11)
+    a.add("r1", p)
+    a.run()
+    full, window = (g.key_space for g in a.scheduler.connector.groups)
+    (info,) = [i for i in key_spaces(module_ns) if i.key_prefixes == [full.prefix]]
+    hasher = BlockHasher(info)
+    hashes = hasher.block_hashes(p)
+    assert hashes == block_hashes(p)[:10]  # vLLM's own block hashes, from the router's side
+    (keys,) = hasher.keys_per_shard(hashes)
+    store = a.scheduler.connector.store
+    store.sync()
+    assert store.prefix_by_node(keys)[info.node_id] == 10
+    assert store.prefix_by_node(make_keys(window.prefix, hashes))[info.node_id] == 0
+    assert store.lookup(make_keys(window.prefix, hashes[7:])) == WINDOW_BLOCKS  # stored, though
