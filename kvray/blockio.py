@@ -156,6 +156,7 @@ class BlockIO:
                 logger.warning("kvray put: %s; %d blocks refused", e, len(keys))
                 return PutResult(0, 0, len(keys))
             pending = []
+            no_room = 0  # blocks refused here: no room for their segment in the object store
             for a, b in self._segments(blocks):
                 seg = blocks[a:b]
                 sizes = (
@@ -173,7 +174,7 @@ class BlockIO:
                     # No room in this node's object store, nor on its disk: a cache refuses
                     # what it cannot hold (counted), as a pool does; the next segment may fit.
                     self._refuse_no_room(b - a, seg_nbytes, e)
-                    pending.append((b - a, None))
+                    no_room += b - a
                     continue
                 pending.append(
                     (
@@ -190,11 +191,8 @@ class BlockIO:
                         ),
                     )
                 )
-            result = PutResult()
+            result = PutResult(0, 0, no_room)
             for n, ref in pending:
-                if ref is None:
-                    result = result + PutResult(0, 0, n)
-                    continue
                 try:
                     r: PutResult = ray.get(ref, timeout=self.config.put_timeout_s)
                 except Exception as e:
