@@ -208,8 +208,9 @@ class KVRayConfig:
     #: KV bytes each node's block pool may hold (``"4GiB"`` or an int). Clamped to 80% of the
     #: node's object store when that is smaller.
     capacity: int = 1 << 30
-    #: Which segments go first when a pool is full: ``lru`` or ``probation`` (new puts wait in a
-    #: small FIFO until read; ghosts of what it evicts; :mod:`kvray.meta.eviction`).
+    #: Which segments go first when a pool is full: ``lru``, ``probation`` (new puts wait in a
+    #: small FIFO until read; ghosts of what it evicts) or ``adaptive`` (``probation`` whose FIFO
+    #: share follows what LRU would have hit; :mod:`kvray.meta.eviction`).
     eviction_policy: str = "lru"
     #: Blocks are batched into objects of at most this many bytes (one Ray op costs ~1 ms).
     segment_bytes: int = 32 << 20

@@ -16,7 +16,8 @@ optimum), unbounded (every reusable block); and the pools' policy as a simulator
 
 Run: ``python scripts/bench_trace.py --trace /work/shared/data/mooncake_synthetic_trace.jsonl``.
 The last line is ``ratio kvray_over_lru_tight=... kvray_over_lru_roomy=...
-kvray_over_belady_tight=... replay_req_per_s=...`` (the first two capacities given).
+kvray_over_belady_tight=... replay_req_per_s=...`` (the first and last capacities given; "kvray"
+is the last of ``--policies``).
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=4096)
     p.add_argument("--capacities", default="5860,20000",
                    help="total capacities in blocks (tight, roomy)")  # fmt: skip
-    p.add_argument("--policies", default="lru,probation")
+    p.add_argument("--policies", default="lru,probation,adaptive")
     p.add_argument("--routing", choices=("rr", "view"), default="rr")
     p.add_argument("--concurrent", action="store_true",
                    help="each engine runs its share at once, not one at a time")  # fmt: skip

@@ -79,6 +79,46 @@ def test_leased_entries_are_skipped_and_stats_say_why() -> None:
         make_policy("fifo", 100)
 
 
+def test_adaptive_keeps_the_doorkeeper_where_reuse_comes_back_beyond_the_capacity() -> None:
+    """Tight: a 5-block chain read every 10 requests, 27 one-off blocks between (more than
+    the 20-block cache). LRU never hits it; ``adaptive`` keeps it as ``probation`` does, and
+    its share stays at its floor (each read of the chain is one LRU would have lost)."""
+    reqs: list[list[int]] = []
+    k = 10**6
+    for _ in range(60):
+        reqs.append([1, 2, 3, 4, 5])
+        for _ in range(9):
+            reqs.append([k, k + 1, k + 2])
+            k += 10
+    got = {n: simulate(reqs, 20, make_policy(n, 20)).hit_rate for n in POLICIES}
+    assert got["lru"] == 0.0
+    assert got["adaptive"] == got["probation"] > 0.15
+    pol = make_policy("adaptive", 20)
+    simulate(reqs, 20, pol)
+    assert pol.stats()["lru_would_miss"] >= 50 and pol.stats()["probation_share_pct"] == 2
+
+
+def test_adaptive_turns_to_recency_where_lru_would_have_hit() -> None:
+    """Roomy: every 2-block chain is read once, 4 chains after its put (16 blocks of traffic
+    in a 20-block cache). ``probation`` evicts each from its FIFO before that read and hits
+    almost nothing; ``adaptive`` sees each such miss as one LRU would have hit (its ghost
+    came back within the capacity), grows its FIFO and hits what LRU hits."""
+    reqs: list[list[int]] = []
+    for i in range(400):
+        reqs.append([1000 * i, 1000 * i + 1])
+        if i >= 4:
+            reqs.append([1000 * (i - 4), 1000 * (i - 4) + 1])
+    got = {n: simulate(reqs, 20, make_policy(n, 20)).hit_rate for n in POLICIES}
+    assert got["probation"] < 0.05 and got["lru"] > 0.45
+    assert got["adaptive"] >= 0.95 * got["lru"]
+    pol = make_policy("adaptive", 20)
+    simulate(reqs, 20, pol)
+    stats = pol.stats()
+    assert stats["lru_would_hit"] >= 1 and stats["probation_share_pct"] == 50
+    # Bookkeeping is per entry and per ghost, ghosts bounded (at least 64 kept): 400 puts later
+    assert pol.meta_nbytes() < 16 << 10
+
+
 def test_config_names_the_policies() -> None:
     for name in POLICIES:  # the config accepts every policy there is
         assert KVRayConfig(eviction_policy=name).eviction_policy == name
@@ -157,8 +197,9 @@ def test_store_api_probation_keeps_a_read_chain_through_a_scan(
     namespaces: dict[str, str], policy: str
 ) -> None:
     """Through ``kvray.connect``: a chain is put and read back, then 24 one-off blocks of
-    64 KiB (1.5x the 1 MiB pool) are put; ``probation`` still serves the chain with every byte
-    right, ``lru`` lost it; the pool never holds more than its capacity."""
+    64 KiB (1.5x the 1 MiB pool) are put; ``probation`` and ``adaptive`` (nothing in the scan
+    comes back, so its FIFO stays small) still serve the chain with every byte right, ``lru``
+    lost it; the pool never holds more than its capacity."""
     import kvray
 
     rng = np.random.default_rng(7)
@@ -177,7 +218,7 @@ def test_store_api_probation_keeps_a_read_chain_through_a_scan(
         pools = [p for p in store.stats()["nodes"].values() if "error" not in p]
         assert pools and all(p["bytes"] <= p["capacity"] for p in pools)
         held = store.lookup(chain)
-        if policy == "probation":
+        if policy in ("probation", "adaptive"):
             assert held == 4
             got = store.get(chain)
             assert all(np.array_equal(g, d) for g, d in zip(got, data, strict=True))

@@ -13,8 +13,12 @@ those it may not evict (leased).
   them to the main LRU; what the FIFO evicts leaves a *ghost* (its first block id, in a bounded
   ring of 9 bytes each), and an entry put again while its ghost is remembered goes straight to
   main (S3-FIFO / 2Q). A scan of one-off prompts passes through the FIFO without flushing the
-  chains that are read again. An ARC-style adaptation of the FIFO's share is there
-  (``adapt=True``) and off: on the synthetic Mooncake trace it lost hit rate.
+  chains that are read again.
+- ``adaptive``: ``probation`` whose FIFO share follows what the pool's own traffic says LRU
+  would have done, priced by exact LRU stack distances over the entries and ghosts it tracks:
+  a FIFO ghost put again within the capacity's worth of distance is a hit LRU would have had
+  (the FIFO grows), a read of a main entry from beyond it is one LRU would have lost (the FIFO
+  shrinks). Tight caches keep the doorkeeper; roomy ones drift towards recency.
 
 :func:`simulate` replays a request trace (each request a list of block ids, a chain) through
 one policy offline, for tuning and for ``scripts/bench_trace.py``.
@@ -30,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "POLICIES",
+    "AdaptivePolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "ProbationPolicy",
@@ -39,7 +44,7 @@ __all__ = [
 ]
 
 #: The names ``eviction_policy`` accepts.
-POLICIES = ("lru", "probation")
+POLICIES = ("lru", "probation", "adaptive")
 
 
 class EvictionPolicy:
@@ -168,9 +173,7 @@ class ProbationPolicy(EvictionPolicy):
     read moves an entry to the main LRU; what probation evicts leaves a *ghost*, and an entry
     put again while its ghost is remembered goes straight to main (S3-FIFO / 2Q). So a scan of
     one-off prompts passes through probation without flushing the chains that are read again.
-    ``p`` adapts as in ARC: a ghost evicted from probation coming back means probation was too
-    small (``p`` grows by the entry's share of the capacity), one evicted from main means main
-    was (``p`` shrinks). Reads touch a chain's tail first and its head last, so within either
+    Reads touch a chain's tail first and its head last, so within either
     queue a chain's tail goes before its head.
 
     Per entry an ``OrderedDict`` item (id -> bytes, signed: negative in probation); per ghost
@@ -178,12 +181,9 @@ class ProbationPolicy(EvictionPolicy):
 
     name = "probation"
 
-    def __init__(
-        self, capacity: int, *, share: float = 0.1, ghosts: int = 4, adapt: bool = False
-    ) -> None:
+    def __init__(self, capacity: int, *, share: float = 0.1, ghosts: int = 4) -> None:
         self.capacity = max(1, int(capacity))
         self.share = share
-        self._adapt = adapt
         self._ghosts_per_entry = ghosts
         self._prob: OrderedDict[int, int] = OrderedDict()  # eid -> bytes, oldest first
         self._main: OrderedDict[int, int] = OrderedDict()  # eid -> bytes, least recent first
@@ -209,10 +209,12 @@ class ProbationPolicy(EvictionPolicy):
             self._prob_bytes += nbytes
             return
         self.ghost_hits += 1
-        if self._adapt:
-            step = nbytes / self.capacity
-            self.share = max(0.01, min(0.5, self.share + (-step if was else step)))
+        self._came_back(key, was, nbytes)
         self._main[eid] = nbytes
+
+    def _came_back(self, key: int, from_main: bool, nbytes: int) -> None:
+        """An entry was put again while its ghost (evicted from main, or from probation) was
+        remembered."""
 
     def touch(self, eids: Sequence[int], hit_bytes: Sequence[int]) -> None:
         for eid in reversed(eids):  # the head ends most recent: tails go first
@@ -275,12 +277,142 @@ class ProbationPolicy(EvictionPolicy):
         return 257 * len(self) + self._ghosts.nbytes
 
 
+# ---------------------------------------------------------------------- adaptive
+class _Recency:
+    """When each tracked item (an entry in RAM, or a ghost) was last used, with its bytes, in
+    numpy slots: an item's LRU stack distance (the bytes of every tracked item used since) is
+    one comparison and one sum."""
+
+    def __init__(self) -> None:
+        self.seq = np.full(64, -1, dtype=np.int64)
+        self.nbytes = np.zeros(64, dtype=np.float64)
+        self._free = list(range(63, -1, -1))
+        self._now = 0
+
+    def add(self, nbytes: int) -> int:
+        if not self._free:
+            n = len(self.seq)
+            self.seq = np.concatenate([self.seq, np.full(n, -1, dtype=np.int64)])
+            self.nbytes = np.concatenate([self.nbytes, np.zeros(n)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        slot = self._free.pop()
+        self.nbytes[slot] = nbytes
+        self.use(slot)
+        return slot
+
+    def use(self, slot: int) -> None:
+        self._now += 1
+        self.seq[slot] = self._now
+
+    def since(self, slot: int) -> float:
+        """Bytes of the items used after ``slot`` last was."""
+        return float(self.nbytes[self.seq > self.seq[slot]].sum())
+
+    def drop(self, slot: int) -> None:
+        self.seq[slot] = -1
+        self.nbytes[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def size(self) -> int:
+        return int(self.seq.nbytes + self.nbytes.nbytes)
+
+
+class AdaptivePolicy(ProbationPolicy):
+    """``probation`` whose FIFO share (between ``low`` and ``high``, starting at ``low``)
+    follows what one LRU of the same capacity would have done with the pool's own traffic. The
+    stack distance of an entry or a ghost is the bytes of every tracked item used since it was
+    (:class:`_Recency`), so LRU would hold it again iff that is at most the capacity:
+
+    - a ghost evicted from probation put again within the capacity is a hit LRU would have
+      had and probation lost: the share grows by the entry's part of the capacity;
+    - a read of a main entry from beyond the capacity is a hit LRU would have lost: the
+      share shrinks by the bytes read's part.
+
+    A tight cache, where what is reused comes back after more than its capacity of traffic,
+    keeps the doorkeeper; a roomy one, where LRU would have held the one-off puts' next use,
+    drifts towards recency. Bookkeeping over ``probation``: a numpy slot (16 bytes) and a dict
+    item per entry and per ghost."""
+
+    name = "adaptive"
+
+    def __init__(
+        self, capacity: int, *, low: float = 0.02, high: float = 0.5, ghosts: int = 4
+    ) -> None:
+        super().__init__(capacity, share=low, ghosts=ghosts)
+        self.low, self.high = low, high
+        self._rec = _Recency()
+        self._slot: dict[int, int] = {}  # eid -> slot
+        self._ghost_slot: dict[int, int] = {}  # ghost key -> slot, oldest first
+        self.lru_would_hit = 0  # probation's misses LRU would have hit
+        self.lru_would_miss = 0  # main's hits LRU would have missed
+
+    def _came_back(self, key: int, from_main: bool, nbytes: int) -> None:
+        slot = self._ghost_slot.pop(key, None)
+        if slot is None:
+            return
+        if not from_main and self._rec.since(slot) <= self.capacity:
+            self.lru_would_hit += 1
+            self.share = min(self.high, self.share + nbytes / self.capacity)
+        self._rec.drop(slot)
+
+    def insert(self, eid: int, nbytes: int, nblocks: int, key: int = 0) -> None:
+        super().insert(eid, nbytes, nblocks, key)
+        stale = self._ghost_slot.pop(key, None) if key else None  # the ring forgot it
+        if stale is not None:
+            self._rec.drop(stale)
+        self._slot[eid] = self._rec.add(max(1, int(nbytes)))
+
+    def touch(self, eids: Sequence[int], hit_bytes: Sequence[int]) -> None:
+        for eid, hit in zip(eids, hit_bytes, strict=True):
+            slot = self._slot.get(eid)
+            if slot is not None and eid in self._main and self._rec.since(slot) > self.capacity:
+                self.lru_would_miss += 1
+                self.share = max(self.low, self.share - hit / self.capacity)
+        super().touch(eids, hit_bytes)
+        for eid in reversed(eids):  # the head used last, as the queues order them
+            slot = self._slot.get(eid)
+            if slot is not None:
+                self._rec.use(slot)
+
+    def remove(self, eid: int, evicted: bool = False) -> None:
+        key = self._keys.get(eid, 0)
+        slot = self._slot.pop(eid, None)
+        super().remove(eid, evicted)
+        if slot is None:
+            return
+        if not (evicted and key):
+            self._rec.drop(slot)
+            return
+        old = self._ghost_slot.pop(key, None)
+        if old is not None:
+            self._rec.drop(old)
+        self._ghost_slot[key] = slot
+        limit = max(64, self._ghosts_per_entry * len(self))
+        while len(self._ghost_slot) > limit:
+            self._rec.drop(self._ghost_slot.pop(next(iter(self._ghost_slot))))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **super().stats(),
+            "lru_would_hit": self.lru_would_hit,
+            "lru_would_miss": self.lru_would_miss,
+        }
+
+    def meta_nbytes(self) -> int:
+        # Two dict items with their ints (~100 B each, as above) and the numpy slots.
+        tracked = len(self._slot) + len(self._ghost_slot)
+        return super().meta_nbytes() + 100 * tracked + self._rec.size
+
+
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
     """The policy called ``name`` (one of :data:`POLICIES`) for ``capacity`` bytes of RAM."""
     if name == "lru":
         return LRUPolicy()
     if name == "probation":
         return ProbationPolicy(capacity)
+    if name == "adaptive":
+        return AdaptivePolicy(capacity)
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
 
 
