@@ -136,10 +136,12 @@ def _segment(tag: str, n: int, size: int = 100) -> tuple[SegmentMeta, np.ndarray
     return meta, shard_ids(ids, z)
 
 
-def test_pool_state_and_disk_admission_agree_on_what_ram_evicts() -> None:
-    """With ``probation``, RAM first evicts segments never read; the disk tier's admission
+@pytest.mark.parametrize("policy", ["probation", "adaptive"])
+def test_pool_state_and_disk_admission_agree_on_what_ram_evicts(policy: str) -> None:
+    """With ``probation`` (and ``adaptive``, whose FIFO a scan of one-offs does not grow),
+    RAM first evicts segments never read; the disk tier's admission
     (``disk_admit_min_hits=1``) spills exactly the evicted segments that were read."""
-    st = PoolState(1000, "probation")
+    st = PoolState(1000, policy)
     spilled: list[int] = []
     not_admitted: list[int] = []
 
