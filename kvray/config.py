@@ -246,6 +246,11 @@ class KVRayConfig:
     #: loaded (the costs are still measured and published for routers). Off by default until
     #: the serving matrix shows it never loses; on a tiny CPU model it declines most hits.
     price_loads: bool = False
+    #: Connector: store a prompt's blocks only where an earlier prompt on this engine had them
+    #: too (a doorkeeper: a prefix computed once is not stored, computed again it is); what a
+    #: request decodes is stored when a later prompt holds it. Off: every computed block is
+    #: stored. For loads where most prompts' tails are never seen again (issue 32).
+    store_seen_only: bool = False
     #: Connector: bytes of reusable staging buffers per worker for saves and loads.
     staging_bytes: int = 256 << 20
     #: Connector: blocks a request fills while it decodes are stored once this many are full
@@ -305,7 +310,13 @@ class KVRayConfig:
         v = self.decode_store_blocks
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
             raise ConfigError("decode_store_blocks", v, "expected a whole number in [1, 4096]")
-        for name in ("verify_checksums", "auto_start", "engine_tier", "price_loads"):
+        for name in (
+            "verify_checksums",
+            "auto_start",
+            "engine_tier",
+            "price_loads",
+            "store_seen_only",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "expected true or false")
         if self.load_mode not in _LOAD_MODES:

@@ -224,3 +224,43 @@ def test_engine_tokens_identical_when_a_slow_pool_is_recomputed(
             assert sched.pricing.loads_declined > declined
         finally:
             close_llm(llm)
+
+
+def test_store_seen_only_stores_a_prefix_at_its_second_computation(harness_factory: Any) -> None:
+    """``store_seen_only``: a prompt computed for the first time is not stored (its blocks
+    are counted as skipped); computed again (vLLM's cache emptied), it is stored; the third
+    time it is loaded, byte for byte what vLLM computes. A prompt sharing its head stores
+    nothing new of its own tail."""
+    h = harness_factory(load_mode="sync", store_seen_only=True)
+    sc = h.sconn
+    p = prompt(6 * BLOCK_SIZE + 4, seed=21)
+    first = h.add(p)
+    h.settle()
+    hashes = list(first.block_hashes)
+    assert sc._find_hit(hashes)[0] == 0, "stored at its first sighting"
+    assert sc.sightings.skipped_blocks == 6
+
+    second = h.add(p)  # vLLM's cache was emptied: computed again, now stored
+    so = h.step()
+    assert not so.kv_connector_metadata.loads
+    h.settle()
+    assert sc._find_hit(list(second.block_hashes))[0] == 6
+
+    third = h.add(p)
+    so = h.step()
+    (load,) = so.kv_connector_metadata.loads.values()
+    assert len(load.block_ids) == 6
+    h.run()
+    for i, block in enumerate(load.block_ids):  # what vLLM would have computed there
+        assert h.block_matches(block, p[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], i * BLOCK_SIZE)
+    h.settle()
+    assert third.num_computed_tokens >= len(p)
+
+    # A prompt sharing the first 3 blocks: its own tail is seen for the first time.
+    skipped = sc.sightings.skipped_blocks
+    q = p[: 3 * BLOCK_SIZE] + prompt(3 * BLOCK_SIZE + 4, seed=22)
+    other = h.add(q)
+    h.settle()
+    assert sc._find_hit(list(other.block_hashes))[0] == 3
+    assert sc.sightings.skipped_blocks == skipped + 3
+    tcs.assert_scheduler_empty(h)

@@ -50,6 +50,7 @@ from kvray.connector.metadata import (
 from kvray.connector.pricing import Pricing
 from kvray.connector.quarantine import Quarantine
 from kvray.connector.sides import CacheManager, ViewStore
+from kvray.connector.sightings import Sightings
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -104,6 +105,10 @@ class _RequestState:
     save_declined: bool = False
     #: Its prompt tokens left to compute were measured (once, at its first allocation).
     seen: bool = False
+    #: With ``store_seen_only``: its leading blocks an earlier prompt on this engine had too
+    #: (the only ones stored), once its prompt was sighted.
+    sighted_blocks: int = -1
+    unseen_skipped: int = 0
 
 
 @dataclass
@@ -176,6 +181,8 @@ class KVRayConnectorScheduler:
         self.lookups = 0
         #: Hits are cut to what pays to load (config ``price_loads``); else all loaded.
         self.price_loads = config.price_loads
+        #: Blocks are stored only once an earlier prompt had them (config ``store_seen_only``).
+        self.sightings = Sightings() if config.store_seen_only else None
         #: The engine's measured costs (issue 32), published for routers either way.
         self.pricing = Pricing(
             self.block_size,
@@ -206,6 +213,8 @@ class KVRayConnectorScheduler:
         if state is None:
             state = self._reqs[request.request_id] = _RequestState(request)
         state.num_local_tokens = num_computed_tokens
+        if self.sightings is not None and state.sighted_blocks < 0:
+            state.sighted_blocks = self.sightings.sight(request.block_hashes)
         bs = self.block_size
         max_blocks = min(len(request.block_hashes), request.num_tokens // bs)
         start = num_computed_tokens // bs
@@ -363,6 +372,7 @@ class KVRayConnectorScheduler:
         planned stays to be planned at a later step."""
         if upto_blocks > state.num_planned_blocks and not self._worth_storing(state, upto_blocks):
             return False
+        upto_blocks = self._sighted(state, upto_blocks)
         planned = self._plan_windows(state, upto_blocks, finish) if self._windows else False
         first = state.num_planned_blocks
         if upto_blocks <= first:
@@ -397,6 +407,18 @@ class KVRayConnectorScheduler:
             self.pricing.saves_declined += 1
             self.store.count(saves_declined=1)
         return False
+
+    def _sighted(self, state: _RequestState, upto_blocks: int) -> int:
+        """With ``store_seen_only``, the blocks below ``upto_blocks`` an earlier prompt on this
+        engine had too (all of them for a prefill's blocks a remote decode loads)."""
+        if self.sightings is None or wants_handoff(state.request.kv_transfer_params):
+            return upto_blocks
+        keep = min(upto_blocks, max(state.sighted_blocks, state.num_planned_blocks))
+        more = upto_blocks - keep - state.unseen_skipped
+        if more > 0:
+            state.unseen_skipped += more
+            self.sightings.skipped_blocks += more
+        return keep
 
     def _plan_windows(self, state: _RequestState, upto_blocks: int, finish: bool) -> bool:
         """Sliding-window groups store the window before each anchor computed so far (blocks
