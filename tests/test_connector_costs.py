@@ -264,3 +264,19 @@ def test_store_seen_only_stores_a_prefix_at_its_second_computation(harness_facto
     assert sc._find_hit(list(other.block_hashes))[0] == 3
     assert sc.sightings.skipped_blocks == skipped + 3
     tcs.assert_scheduler_empty(h)
+
+
+def test_sightings_are_bounded_and_count_only_earlier_prompts() -> None:
+    """Two generations of at most ``limit`` hashes: a prompt is sighted against earlier ones
+    only (its own blocks do not count), and what was seen two generations ago is forgotten."""
+    from kvray.connector.sightings import Sightings
+
+    s = Sightings(limit=8)
+    a = [b"a0", b"a1", b"a2"]
+    assert s.sight(a) == 0  # first time: nothing earlier
+    assert s.sight(a) == 3
+    assert s.sight([b"a0", b"a1", b"x"]) == 2  # the head only
+    for i in range(40):  # other prompts fill two generations
+        s.sight([f"o{i}".encode()])
+        assert len(s) <= 2 * 8
+    assert s.sight(a) == 0  # forgotten: stored again only at its next sighting

@@ -4,8 +4,8 @@ A doorkeeper for stores: a block is stored only once a prompt holds it that an e
 on this engine held too. A prefix computed once (a one-off prompt's tail, a long document
 never asked about again) costs nothing in kvray; computed a second time (vLLM's own cache no
 longer held it), it is stored and the third time is loaded. Two generations of Python's hashes
-of the block hashes, each at most ``limit``: bounded, and a hash collision only stores a block
-one sighting early.
+of the block hashes, each at most ``limit`` plus one prompt's blocks: bounded, and a hash
+collision only stores a block one sighting early.
 """
 
 from __future__ import annotations
