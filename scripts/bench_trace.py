@@ -399,6 +399,9 @@ def main() -> None:
                     ms = r["ms"]
                     s = r["stats"].get("totals", {})  # summed over the pools
                     reasons = {k: v for k, v in s.items() if k.startswith("policy_")}
+                    pools = [p for p in r["stats"].get("nodes", {}).values() if "error" not in p]
+                    for k in [k for k in reasons if k.endswith("_pct")]:  # a mean, not a sum
+                        reasons[k] = round(reasons[k] / max(1, len(pools)))
                     print(
                         f"kvray    {cap:>6} blocks {pol:>9}: hit rate {r['hit_rate']:.4f} "
                         f"({r['hit_rate'] / off[cap]['global_lru']:.3f}x global LRU, "
