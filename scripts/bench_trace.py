@@ -12,8 +12,8 @@ anywhere is counted.
 On the same request sequence, offline (plain Python): one global LRU of the same total capacity
 (every block of a request accessed in order), Belady (evict the farthest next use, the offline
 optimum), unbounded (every reusable block); and the pools' policy as a simulator
-(:func:`kvray.meta.eviction.simulate`, one cache of the total capacity, and :func:`pooled`,
-``--nodes`` pools of a share each as the replay runs them).
+(:func:`kvray.meta.eviction.simulate`, one cache of the total capacity, and ``--nodes`` pools
+of a share each as the replay runs them).
 
 Run: ``python scripts/bench_trace.py --trace /work/shared/data/mooncake_synthetic_trace.jsonl``.
 The last line is ``ratio kvray_over_lru_tight=... kvray_over_lru_roomy=...
@@ -126,51 +126,6 @@ def lru_oracle(reqs: list[list[int]], cap: int, dead: bool) -> float:
                 c[x] = None
                 if len(c) > cap:
                     c.popitem(last=False)
-    return hit / tot
-
-
-def pooled(reqs: list[list[int]], cap: int, policy: str, nodes: int) -> float:
-    """``nodes`` pools of ``cap // nodes`` blocks each ruled by ``policy``, as the replay runs
-    them: requests round robin, the longest prefix held anywhere is hit (each pool touches what
-    it served, in prefix order), the rest is put as one segment into the request's own pool."""
-    from kvray.meta.eviction import make_policy
-
-    per = cap // nodes
-    pols = [make_policy(policy, per) for _ in range(nodes)]
-    where: dict[int, tuple[int, int]] = {}  # block -> (pool, entry)
-    blocks_of: list[dict[int, list[int]]] = [{} for _ in range(nodes)]
-    used = [0] * nodes
-    hit = tot = 0
-    eid = 0
-    for i, req in enumerate(reqs):
-        n = _prefix(req, where)
-        hit += n
-        tot += len(req)
-        served: dict[int, dict[int, int]] = {}  # pool -> entry -> blocks read, in order
-        for x in req[:n]:
-            p, e = where[x]
-            got = served.setdefault(p, {})
-            got[e] = got.get(e, 0) + 1
-        for p, got in served.items():
-            pols[p].touch(list(got), list(got.values()))
-        new = [x for x in dict.fromkeys(req[n:]) if x not in where]
-        me = i % nodes
-        if used[me] + len(new) > per:
-            for v in pols[me].victims(lambda e: True):
-                for x in blocks_of[me].pop(v):
-                    del where[x]
-                    used[me] -= 1
-                pols[me].remove(v, evicted=True)
-                if used[me] + len(new) <= per:
-                    break
-        new = new[: max(0, per - used[me])]
-        if new:
-            eid += 1
-            blocks_of[me][eid] = new
-            for x in new:
-                where[x] = (me, eid)
-            used[me] += len(new)
-            pols[me].insert(eid, len(new), len(new), key=new[0] + 1)
     return hit / tot
 
 
@@ -379,7 +334,7 @@ def main() -> None:
         row = {"unbounded": ub, "belady": belady(reqs, cap), "global_lru": global_lru(reqs, cap)}
         for pol in policies:
             row[f"sim_{pol}"] = simulate(reqs, cap, pol).hit_rate
-            row[f"sim_{pol}_{a.nodes}pools"] = pooled(reqs, cap, pol, a.nodes)
+            row[f"sim_{pol}_{a.nodes}pools"] = simulate(reqs, cap, pol, nodes=a.nodes).hit_rate
             if a.per_block:  # every block an entry: what the segment granularity costs
                 row[f"sim_{pol}_blocks"] = simulate(reqs, cap, pol, per_block=True).hit_rate
         if a.ceilings:

@@ -59,6 +59,8 @@ def test_capacity_is_never_exceeded() -> None:
                 res = simulate(reqs, cap, name, per_block=per_block)
                 assert res.max_used <= cap
                 assert res.hit_blocks <= res.total_blocks
+            pools = simulate(reqs, cap, name, nodes=3)  # each pool within its share
+            assert pools.max_used <= cap // 3 and pools.hit_blocks <= pools.total_blocks
 
 
 def test_leased_entries_are_skipped_and_stats_say_why() -> None:

@@ -435,22 +435,32 @@ def simulate(
     policy: EvictionPolicy | str,
     *,
     per_block: bool = False,
+    nodes: int = 1,
 ) -> SimResult:
     """Replay requests (chains of block ids) through one cache of ``capacity_blocks`` blocks
     of one byte each ruled by ``policy``: each request hits the longest cached prefix, reads
     it (a touch, in order) and puts the blocks after it that are not held as one entry (a
     segment, as a pool stores a put), or one entry per block with ``per_block``. An entry
-    that cannot fit is cut to the longest run that does (as a pool does)."""
-    pol = make_policy(policy, capacity_blocks) if isinstance(policy, str) else policy
-    where: dict[int, int] = {}  # block -> entry
+    that cannot fit is cut to the longest run that does (as a pool does).
+
+    With ``nodes`` > 1 (``policy`` a name), as ``scripts/bench_trace.py``'s replay runs the
+    pools: ``nodes`` caches of ``capacity_blocks // nodes`` blocks, requests round robin, the
+    longest prefix held in any of them hit (each touches what it served), the rest put into
+    the request's own."""
+    if nodes > 1 and not isinstance(policy, str):
+        raise ValueError("simulate: several nodes need a policy name (one policy each)")
+    cap = capacity_blocks // nodes
+    pols = [make_policy(policy, cap) if isinstance(policy, str) else policy for _ in range(nodes)]
+    where: dict[int, tuple[int, int]] = {}  # block -> (node, entry)
     blocks_of: dict[int, list[int]] = {}
-    used = max_used = hit = total = evicted = 0
+    used = [0] * nodes
+    max_used = hit = total = evicted = 0
     next_eid = 1
 
     def evictable(eid: int) -> bool:
         return True
 
-    for req in requests:
+    for i, req in enumerate(requests):
         n = 0
         for x in req:
             if x not in where:
@@ -458,39 +468,42 @@ def simulate(
             n += 1
         hit += n
         total += len(req)
-        eids: list[int] = []
-        counts: list[int] = []
+        touched: dict[int, tuple[list[int], list[int]]] = {}  # node -> (entries, blocks read)
         for x in req[:n]:
-            e = where[x]
+            node, e = where[x]
+            eids, counts = touched.setdefault(node, ([], []))
             if eids and eids[-1] == e:
                 counts[-1] += 1
             elif e not in eids:
                 eids.append(e)
                 counts.append(1)
-        pol.touch(eids, counts)
+        for node, (eids, counts) in touched.items():
+            pols[node].touch(eids, counts)
+        me = i % nodes
+        pol = pols[me]
         new = [x for x in dict.fromkeys(req[n:]) if x not in where]
         groups = [[x] for x in new] if per_block else ([new] if new else [])
         for group in groups:
             need = len(group)
-            if used + need > capacity_blocks:
+            if used[me] + need > cap:
                 for victim in pol.victims(evictable):
                     gone = blocks_of.pop(victim)
                     for x in gone:
                         del where[x]
-                    used -= len(gone)
+                    used[me] -= len(gone)
                     pol.remove(victim, evicted=True)
                     evicted += 1
-                    if used + need <= capacity_blocks:
+                    if used[me] + need <= cap:
                         break
-            group = group[: max(0, capacity_blocks - used)]
+            group = group[: max(0, cap - used[me])]
             if not group:
                 continue
             eid = next_eid
             next_eid += 1
             blocks_of[eid] = group
             for x in group:
-                where[x] = eid
-            used += len(group)
-            max_used = max(max_used, used)
+                where[x] = (me, eid)
+            used[me] += len(group)
+            max_used = max(max_used, used[me])
             pol.insert(eid, len(group), len(group), key=group[0] + 1)
     return SimResult(hit, total, evicted, max_used)
