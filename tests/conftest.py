@@ -32,29 +32,45 @@ else:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    """Tell the namespace relay how many of the next tests take ``kvray_ns`` in a row (their
-    namespaces start while this test runs); a test without one first waits for the stops
-    behind it."""
+    """Tell the namespace relay how many of the next tests need a fresh namespace in a row
+    (``kvray_ns``, or the first ``module_ns`` of a module): theirs start while this test runs.
+    A test without ``kvray_ns`` first waits for the stops behind it, then starts the next
+    test's namespace unless it is marked ``quiet`` (it counts what the whole cluster does)."""
     relay = ray_fixtures.RELAY if ray_fixtures is not None else None
     if relay is not None:
         items = item.session.items
         i = _index(items, item)
         wanted = 0
         for later in items[i + 1 : i + 1 + relay.AHEAD] if i is not None else []:
-            if "kvray_ns" not in getattr(later, "fixturenames", ()):
+            if not _needs_namespace(items, later):
                 break
             wanted += 1
         relay.wanted_ahead = wanted
         if "kvray_ns" not in getattr(item, "fixturenames", ()):
             relay.settle()
+            if wanted and item.get_closest_marker("quiet") is None:
+                relay.prefetch(1)
     yield
 
 
 _positions: dict[int, int] = {}
+_first_module_ns: set[int] = set()
 
 
 def _index(items: list[pytest.Item], item: pytest.Item) -> int | None:
     if len(_positions) != len(items):
         _positions.clear()
         _positions.update((id(x), n) for n, x in enumerate(items))
+        _first_module_ns.clear()
+        seen: set[str] = set()
+        for x in items:
+            module = x.nodeid.split("::")[0]
+            if "module_ns" in getattr(x, "fixturenames", ()) and module not in seen:
+                seen.add(module)
+                _first_module_ns.add(id(x))
     return _positions.get(id(item))
+
+
+def _needs_namespace(items: list[pytest.Item], item: pytest.Item) -> bool:
+    """Whether ``item`` takes a namespace from the relay when it starts."""
+    return "kvray_ns" in getattr(item, "fixturenames", ()) or id(item) in _first_module_ns

@@ -130,13 +130,14 @@ class NamespaceRelay:
 
     Starting a namespace is five new actor processes (~2 s here, mostly waiting on process
     starts); stopping one ~1 s. Done in line, that was a quarter of the suite. The relay starts
-    the namespaces of the next tests (up to ``AHEAD``, only for tests that take ``kvray_ns``:
-    ``pytest_runtest_protocol`` in conftest.py says how many) while the current one runs, and
-    stops a test's namespace after it on a background thread. Every test still gets a
-    namespace no other test touched, started with the same fields. One started before the
-    cluster's nodes changed (a test removed or added one) is stopped and a new one started in
-    line, so its pools match the nodes the test sees; tests that take no ``kvray_ns`` first
-    wait for the stops behind them (some look at every actor in the cluster).
+    the namespaces of the next tests (up to ``AHEAD``, for tests that take ``kvray_ns`` and
+    for each module's first ``module_ns``: ``pytest_runtest_protocol`` in conftest.py says how
+    many) while the current one runs, and stops a test's namespace after it on a background
+    thread. Every test still gets a namespace no other test touched, started with the same
+    fields. One started before the cluster's nodes changed (a test removed or added one) is
+    stopped and a new one started in line, so its pools match the nodes the test sees; tests
+    that take no ``kvray_ns`` first wait for the stops behind them (some look at every actor
+    in the cluster), and start only the next test's namespace, none if marked ``quiet``.
     """
 
     AHEAD = 2
@@ -211,9 +212,15 @@ RELAY: NamespaceRelay | None = None
 @pytest.fixture(scope="module")
 def module_ns(ray_cluster: Cluster) -> Iterator[str]:
     """One kvray namespace for a whole module, for tests that touch only keys of their own
-    (random ones) and count nothing namespace-wide."""
-    with started_namespace("m") as ns:
+    (random ones) and count nothing namespace-wide; from the relay (:data:`NAMESPACE_FIELDS`),
+    so it starts while the test before runs."""
+    assert RELAY is not None
+    ns = RELAY.take()
+    RELAY.prefetch(RELAY.wanted_ahead)
+    try:
         yield ns
+    finally:
+        RELAY.release(ns)
 
 
 @pytest.fixture

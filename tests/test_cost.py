@@ -48,6 +48,7 @@ def test_joining_keeps_the_callers_random_state() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.quiet
 def test_same_seed_engines_do_not_storm_the_gcs(ray_cluster: Cluster) -> None:
     """Two processes seeded alike (as vLLM's engines are) join through kvray and idle for a few
     seconds: the GCS sees a handful of long polls from them, not thousands."""

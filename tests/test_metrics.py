@@ -162,6 +162,7 @@ def disk_ns(ray_cluster: Cluster, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.quiet
 def test_every_documented_metric_is_exported_with_its_value(disk_ns: str) -> None:
     """Drive a small workload; every kvray series shows at the nodes' endpoints with the value
     it must have; the README table and the dashboard name exactly the exported metrics."""

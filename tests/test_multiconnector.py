@@ -106,7 +106,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def module_ns(ray_cluster: Any) -> Iterator[str]:
+def wide_ns(ray_cluster: Any) -> Iterator[str]:
     with started_namespace("mc", capacity="128MiB") as ns:
         yield ns
 
@@ -161,7 +161,7 @@ def _multi_connector(vllm_config: Any, role: str) -> Any:
 )
 def test_a_child_of_a_recomputing_engine_starts(
     tiny_model: str,
-    module_ns: str,
+    wide_ns: str,
     tmp_path: Path,
     role: str,
     policy: str,
@@ -170,7 +170,7 @@ def test_a_child_of_a_recomputing_engine_starts(
     from kvray.connector import KVRayConnector
 
     ktc = multi_transfer_config(
-        module_ns, tmp_path, policy=policy, kvray_policy=kvray_policy, auto_start=False
+        wide_ns, tmp_path, policy=policy, kvray_policy=kvray_policy, auto_start=False
     )
     vllm_config = _vllm_config(tiny_model, ktc)
     multi = _multi_connector(vllm_config, role)
@@ -181,7 +181,7 @@ def test_a_child_of_a_recomputing_engine_starts(
         # on, says "recompute".
         assert kv._kv_transfer_config.kv_load_failure_policy == "fail"
         assert vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
-        assert kv.config.namespace == module_ns
+        assert kv.config.namespace == wide_ns
         assert (kv.connector_scheduler is not None) == (role == "SCHEDULER")
     finally:
         multi.shutdown()
@@ -210,7 +210,7 @@ def test_a_child_of_a_failing_engine_is_refused(
 
 
 def test_an_engine_with_the_fail_policy_at_the_top_refuses_to_start(
-    tiny_model: str, module_ns: str, in_process: None, tmp_path: Path
+    tiny_model: str, wide_ns: str, in_process: None, tmp_path: Path
 ) -> None:
     """The real engine (built before the module's engine: one in-process engine at a time)."""
     from vllm import LLM
@@ -219,7 +219,7 @@ def test_an_engine_with_the_fail_policy_at_the_top_refuses_to_start(
         destroy_model_parallel,
     )
 
-    ktc = multi_transfer_config(module_ns, tmp_path, policy="fail", kvray_policy="recompute")
+    ktc = multi_transfer_config(wide_ns, tmp_path, policy="fail", kvray_policy="recompute")
     llm = None
     try:
         with pytest.raises(ConfigError, match=re.escape(NESTED_POLICY_MESSAGE)):
@@ -283,15 +283,15 @@ class MultiEngine:
 
 @pytest.fixture(scope="module")
 def engine(
-    tiny_model: str, module_ns: str, in_process: None, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: str, wide_ns: str, in_process: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[MultiEngine]:
     from vllm import LLM
 
     storage = tmp_path_factory.mktemp("example-connector")
-    ktc = multi_transfer_config(module_ns, storage, get_timeout_s=10)
+    ktc = multi_transfer_config(wide_ns, storage, get_timeout_s=10)
     llm = LLM(**engine_kwargs(tiny_model, kv_transfer_config=ktc))
     try:
-        yield MultiEngine(llm, module_ns, storage)
+        yield MultiEngine(llm, wide_ns, storage)
     finally:
         close_llm(llm)
 
@@ -387,7 +387,7 @@ def test_a_kvray_loss_with_nothing_elsewhere_is_recomputed(engine: MultiEngine) 
 
 
 def test_ray_serve_llm_multiconnector_backend_completes_the_deployment_config(
-    tiny_model: str, module_ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: str, wide_ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ray Serve LLM's MultiConnectorBackend sets kvray's backend up on a deep copy of the
     deployment's config; what kvray fills in must land in the config the engine is built from:
@@ -405,7 +405,7 @@ def test_ray_serve_llm_multiconnector_backend_completes_the_deployment_config(
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     register_backend()
-    ns = module_ns
+    ns = wide_ns
     user_ktc = {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",

@@ -817,6 +817,7 @@ GCS_PER_REQUEST = {
 }
 
 
+@pytest.mark.quiet
 def test_gcs_calls_per_request_stay_bounded(served: Served) -> None:
     """Requests through the app (each prompt twice: stored, then served from a cache) make no
     GCS call of their own: kvray's handles are resolved once and its threads do not poll the
