@@ -32,7 +32,7 @@ from kvray.testing.engines import (
     in_process_engines,
     kvray_transfer_config,
     make_prompts,
-    run_engine_process,
+    start_engine_process,
     token_ids,
     worker_connector_of,
 )
@@ -87,6 +87,21 @@ def kv_engine(
         kvray.stop(ns)
 
 
+@pytest.fixture(scope="module")
+def default_mode_engine(
+    kv_engine: tuple[Any, str], tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """An engine in another process, vLLM's default multiprocess mode, in the module's
+    namespace: started with the module's first test (its ~20 s start, three processes
+    importing vLLM, overlaps the module's tests) and given its prompts in the last."""
+    _, ns = kv_engine
+    proc = start_engine_process(tiny_model, tmp_path_factory.mktemp("default-mode"), namespace=ns)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
 def _settle(llm: Any) -> None:
     """Wait until the engine's saves are stored and its scheduler's view shows them."""
     finish_delayed_frees(llm)
@@ -95,9 +110,10 @@ def _settle(llm: Any) -> None:
 
 
 def test_tokens_identical_and_prefix_loaded(
-    kv_engine: tuple[Any, str], reference: dict[str, Any], tiny_model: str, tmp_path: Any
+    kv_engine: tuple[Any, str], reference: dict[str, Any], default_mode_engine: Any
 ) -> None:
-    llm, ns = kv_engine
+    # (default_mode_engine: started here, read by the module's last test.)
+    llm, _ = kv_engine
     prompts = PROMPTS["share"]
     first = generate(llm, prompts)
     assert token_ids(first) == reference["share"]
@@ -112,11 +128,6 @@ def test_tokens_identical_and_prefix_loaded(
     # The first request can only have its prefix from kvray (vLLM's cache was reset).
     assert cached_tokens(second)[0] == full_hit_tokens(prompts[0])
     assert sched.hit_tokens - hits_before >= full_hit_tokens(prompts[0])
-
-    # A fresh engine in another process, vLLM's default multiprocess mode.
-    (other,) = run_engine_process(tiny_model, prompts, tmp_path, namespace=ns)
-    assert other["tokens"] == reference["share"]
-    assert other["cached"][0] == full_hit_tokens(prompts[0])
 
 
 def test_loaded_kv_is_used_and_lost_blocks_recomputed(
@@ -285,3 +296,17 @@ def test_cross_node_engine_loads_blocks_stored_on_other_node(
     assert token_ids(out_b) == reference["xnode"]
     # Only A computed these prompts: the prefix can only have come from node A's pool.
     assert cached_tokens(out_b)[0] == full_hit_tokens(prompts[0])
+
+
+def test_a_fresh_engine_in_another_process_loads_the_prefix(
+    kv_engine: tuple[Any, str], reference: dict[str, Any], default_mode_engine: Any
+) -> None:
+    """A fresh engine in another process, vLLM's default multiprocess mode (EngineCore and
+    worker processes of its own), loads what the module's engine stored."""
+    llm, _ = kv_engine
+    prompts = PROMPTS["share"]
+    assert token_ids(generate(llm, prompts)) == reference["share"]  # stored (again, if run alone)
+    _settle(llm)
+    (other,) = default_mode_engine.run(prompts)
+    assert other["tokens"] == reference["share"]
+    assert other["cached"][0] == full_hit_tokens(prompts[0])

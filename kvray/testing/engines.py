@@ -346,16 +346,22 @@ def _main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1, help="repeat after reset_prefix_cache")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--wait-s", type=float, default=0.0, help="wait for --prompts to appear")
     args = ap.parse_args(argv)
     from vllm import LLM
 
-    prompts = json.loads(Path(args.prompts).read_text())
     ktc = kvray_transfer_config(args.namespace) if args.namespace else None
     kw = engine_kwargs(
         args.model, kv_transfer_config=ktc, tp=args.tp, max_model_len=args.max_model_len
     )
     kw.pop("distributed_executor_backend", None)
     llm = LLM(**kw)
+    pfile, deadline = Path(args.prompts), time.monotonic() + args.wait_s
+    while not pfile.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no prompts in {pfile} within {args.wait_s:.0f} s")
+        time.sleep(0.05)
+    prompts = json.loads(pfile.read_text())
     rounds = []
     for r in range(args.rounds):
         if r:
@@ -400,6 +406,75 @@ def wait_for_stored_blocks(namespace: str, timeout: float = 30.0) -> int:
     return last
 
 
+class EngineProcess:
+    """An engine in a fresh Python process (vLLM's default multiprocess mode), started now and
+    given its prompts later: :meth:`run` writes them and waits for its rounds. Starting it
+    early lets its ~20 s start (the process, its EngineCore and worker each import vLLM)
+    overlap other work."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], pfile: Path, ofile: Path) -> None:
+        import subprocess
+
+        self._pfile, self._ofile = pfile, ofile
+        self._proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def run(self, prompts: Sequence[Sequence[int]], timeout: float = 300.0) -> list[dict[str, Any]]:
+        """Hand the engine its prompts (once) and return its rounds; kills it on a timeout."""
+        import subprocess
+
+        tmp = self._pfile.with_suffix(".tmp")
+        tmp.write_text(json.dumps([list(p) for p in prompts]))
+        tmp.replace(self._pfile)  # whole or absent: the engine polls for it
+        try:
+            _, stderr = self._proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        if self._proc.returncode != 0:
+            code = self._proc.returncode
+            raise RuntimeError(f"engine process failed ({code}):\n{stderr[-6000:]}")
+        return json.loads(self._ofile.read_text())["rounds"]
+
+    def kill(self) -> None:
+        """Stop it if it still runs (a test that never called :meth:`run`)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate(timeout=30)
+
+
+def start_engine_process(
+    model: str,
+    workdir: str | os.PathLike[str],
+    *,
+    namespace: str | None = None,
+    tp: int = 1,
+    rounds: int = 1,
+    max_tokens: int = 8,
+    env: dict[str, str] | None = None,
+    wait_s: float = 600.0,
+) -> EngineProcess:
+    """Start an engine in a fresh Python process; it builds its engine, then waits (up to
+    ``wait_s``) for :meth:`EngineProcess.run`'s prompts."""
+    import sys
+    import uuid
+
+    wd = Path(workdir)
+    tag = uuid.uuid4().hex[:8]
+    pfile, ofile = wd / f"prompts-{tag}.json", wd / f"out-{tag}.json"
+    cmd = [sys.executable, "-m", "kvray.testing.engines", "run", "--model", model]
+    cmd += ["--prompts", str(pfile), "--out", str(ofile), "--tp", str(tp)]
+    cmd += ["--rounds", str(rounds), "--max-tokens", str(max_tokens), "--wait-s", str(wait_s)]
+    if namespace:
+        cmd += ["--namespace", namespace]
+    # (vLLM's CPU platform spawns its EngineCore and workers whatever the environment says:
+    # each of them imports vLLM again.)
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return EngineProcess(cmd, full_env, pfile, ofile)
+
+
 def run_engine_process(
     model: str,
     prompts: Sequence[Sequence[int]],
@@ -413,27 +488,10 @@ def run_engine_process(
     timeout: float = 300.0,
 ) -> list[dict[str, Any]]:
     """Run an engine in a fresh Python process (default multiprocess mode); its rounds."""
-    import subprocess
-    import sys
-    import uuid
-
-    wd = Path(workdir)
-    tag = uuid.uuid4().hex[:8]
-    pfile, ofile = wd / f"prompts-{tag}.json", wd / f"out-{tag}.json"
-    pfile.write_text(json.dumps([list(p) for p in prompts]))
-    cmd = [sys.executable, "-m", "kvray.testing.engines", "run", "--model", model]
-    cmd += ["--prompts", str(pfile), "--out", str(ofile), "--tp", str(tp)]
-    cmd += ["--rounds", str(rounds), "--max-tokens", str(max_tokens)]
-    if namespace:
-        cmd += ["--namespace", namespace]
-    # (vLLM's CPU platform spawns its EngineCore and workers whatever the environment says:
-    # each of them imports vLLM again.)
-    full_env = {**os.environ, **(env or {})}
-    full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"engine process failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(ofile.read_text())["rounds"]
+    proc = start_engine_process(
+        model, workdir, namespace=namespace, tp=tp, rounds=rounds, max_tokens=max_tokens, env=env
+    )
+    return proc.run(prompts, timeout=timeout)
 
 
 if __name__ == "__main__":
