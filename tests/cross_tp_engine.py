@@ -20,6 +20,7 @@ import base64
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--wait-s", type=float, default=0.0, help="wait for --steps to appear")
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector is here
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -175,7 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     sched = connector_of(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     steps = []
-    plan = json.loads(Path(args.steps).read_text())
+    sfile, deadline = Path(args.steps), time.monotonic() + args.wait_s
+    while not sfile.exists():  # built; the test says when to go (what it stores first)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no steps in {sfile} within {args.wait_s:.0f} s")
+        time.sleep(0.05)
+    plan = json.loads(sfile.read_text())
+    sched.store.sync()  # what the test stored while this engine was being built is in its view
     for step in plan:
         if step.get("reset"):  # the saves so far stored and seen, then vLLM's cache emptied
             finish_delayed_frees(llm)
@@ -214,6 +222,59 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)  # skip vLLM + Ray teardown in this throwaway process
 
 
+class Started:
+    """The engine process, started (it builds its engine meanwhile) and waiting for its steps."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], sfile: Path, ofile: Path) -> None:
+        import subprocess
+
+        self._sfile, self._ofile = sfile, ofile
+        self._proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def run(self, steps: list[dict[str, Any]], timeout: float = 420.0) -> dict[str, Any]:
+        """Give it its steps; its output, records decoded."""
+        import subprocess
+
+        tmp = self._sfile.with_suffix(".tmp")
+        tmp.write_text(json.dumps(steps))
+        tmp.replace(self._sfile)  # whole or absent: the engine polls for it
+        try:
+            _, stderr = self._proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        if self._proc.returncode != 0 or not self._ofile.exists():
+            code = self._proc.returncode
+            raise RuntimeError(f"engine process failed ({code}):\n{stderr[-6000:]}")
+        out = json.loads(self._ofile.read_text())
+        for r in out["ranks"]:
+            r["recorded"] = decode(r["recorded"])
+        return out
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate(timeout=30)
+
+
+def start(model: str, namespace: str, workdir: str | os.PathLike[str], *, tp: int = 1) -> Started:
+    """Start the engine in a fresh process now (its start overlaps the caller's work); it runs
+    the steps :meth:`Started.run` gives it."""
+    import uuid
+
+    wd = Path(workdir)
+    tag = uuid.uuid4().hex[:8]
+    sfile, ofile = wd / f"steps-{tag}.json", wd / f"out-{tag}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--namespace", namespace]
+    cmd += ["--tp", str(tp), "--steps", str(sfile), "--out", str(ofile), "--wait-s", "600"]
+    env = dict(os.environ)
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    return Started(cmd, env, sfile, ofile)
+
+
 def run(
     model: str,
     namespace: str,
@@ -224,25 +285,7 @@ def run(
     timeout: float = 420.0,
 ) -> dict[str, Any]:
     """Run the engine in a fresh process; its output, records decoded."""
-    import subprocess
-    import uuid
-
-    wd = Path(workdir)
-    tag = uuid.uuid4().hex[:8]
-    sfile, ofile = wd / f"steps-{tag}.json", wd / f"out-{tag}.json"
-    sfile.write_text(json.dumps(steps))
-    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--namespace", namespace]
-    cmd += ["--tp", str(tp), "--steps", str(sfile), "--out", str(ofile)]
-    env = dict(os.environ)
-    if tp == 2:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not ofile.exists():
-        raise RuntimeError(f"engine process failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    out = json.loads(ofile.read_text())
-    for r in out["ranks"]:
-        r["recorded"] = decode(r["recorded"])
-    return out
+    return start(model, namespace, workdir, tp=tp).run(steps, timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -408,21 +408,18 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
     import cross_tp_engine
 
     p1, p2 = _prompts(11), _prompts(12)
+    started = cross_tp_engine.start(models["kv2"], namespace, tmp_path, tp=2)  # builds meanwhile
     a = InProcessEngine(models["kv2"], namespace)
     try:
         a1 = a.generate(p1)  # computed at TP=1, stored as 1 shard of 2 heads
 
-        b = cross_tp_engine.run(
-            models["kv2"],
-            namespace,
+        b = started.run(
             [
                 {"prompts": p1},
                 {"prompts": p1, "salt": "b"},
                 {"prompts": p2},
                 {"prompts": p2, "reset": True},
-            ],
-            tmp_path,
-            tp=2,
+            ]
         )
         loaded, own, b2, b2_again = b["steps"]
         assert loaded["cached"] == [full_hit_tokens(p) for p in p1]
@@ -463,6 +460,7 @@ def test_tp1_blocks_load_at_tp2_and_tp2_blocks_at_tp1(
             assert_kv_close(a.records, prompt, "a")
     finally:
         a.close()
+        started.kill()
 
 
 @pytest.mark.vllm
@@ -475,16 +473,11 @@ def test_fewer_kv_heads_than_ranks_store_once_read_by_all(
     import kvray
 
     p3, p4 = _prompts(13), _prompts(14)
+    started = cross_tp_engine.start(models["kv1"], namespace, tmp_path, tp=2)  # builds meanwhile
     a = InProcessEngine(models["kv1"], namespace)
     try:
         a3 = a.generate(p3)  # TP=1: the one KV head, grouping 1 like TP=2
-        b = cross_tp_engine.run(
-            models["kv1"],
-            namespace,
-            [{"prompts": p3}, {"prompts": p3, "salt": "b"}, {"prompts": p4}],
-            tmp_path,
-            tp=2,
-        )
+        b = started.run([{"prompts": p3}, {"prompts": p3, "salt": "b"}, {"prompts": p4}])
         loaded, own, b4 = b["steps"]
         assert loaded["cached"] == [full_hit_tokens(p) for p in p3]
         assert loaded["tokens"] == own["tokens"] == a3["tokens"]
@@ -517,3 +510,4 @@ def test_fewer_kv_heads_than_ranks_store_once_read_by_all(
         assert a.worker.counters().failed_blocks == 0
     finally:
         a.close()
+        started.kill()
