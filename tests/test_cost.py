@@ -58,11 +58,11 @@ def test_same_seed_engines_do_not_storm_the_gcs(ray_cluster: Cluster) -> None:
         random.seed(0)  # vLLM's set_random_seed(0) runs before the connector joins Ray
         from kvray.cluster import ensure_ray
         ensure_ray({ray_cluster.address!r})
-        time.sleep(3)
+        time.sleep(2)
         """
     )
     urls = metrics_urls()
-    time.sleep(2.5)  # one metrics report interval (1 s in the shared cluster) and a bit
+    time.sleep(1.5)  # one metrics report interval (1 s in the shared cluster) and a bit
     before = _polls(urls)
     procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
     try:
@@ -72,11 +72,11 @@ def test_same_seed_engines_do_not_storm_the_gcs(ray_cluster: Cluster) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    time.sleep(2.5)
+    time.sleep(1.5)
     polls = _polls(urls) - before
     # Measured: 28 (each driver's subscriptions, plus the rest of the cluster); with Ray drawing
     # both ids from the same seed, 27,707.
-    assert polls < 300, f"{polls} GCS subscriber polls in ~7 s"
+    assert polls < 300, f"{polls} GCS subscriber polls in ~5 s"
 
 
 # ------------------------------------------------------------------ the connector's step path
