@@ -42,7 +42,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         i = _index(items, item)
         wanted = 0
         for later in items[i + 1 : i + 1 + relay.AHEAD] if i is not None else []:
-            if not _needs_namespace(items, later):
+            if not _needs_namespace(later):
                 break
             wanted += 1
         relay.wanted_ahead = wanted
@@ -71,6 +71,6 @@ def _index(items: list[pytest.Item], item: pytest.Item) -> int | None:
     return _positions.get(id(item))
 
 
-def _needs_namespace(items: list[pytest.Item], item: pytest.Item) -> bool:
+def _needs_namespace(item: pytest.Item) -> bool:
     """Whether ``item`` takes a namespace from the relay when it starts."""
     return "kvray_ns" in getattr(item, "fixturenames", ()) or id(item) in _first_module_ns

@@ -229,9 +229,11 @@ class Started:
         import subprocess
 
         self._sfile, self._ofile = sfile, ofile
-        self._proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        # Its output to a file, not a pipe: a pipe nobody reads until run() would stall the
+        # engine's start once its logs fill the pipe's buffer.
+        self._log = ofile.with_suffix(".log")
+        with open(self._log, "w") as log:
+            self._proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def run(self, steps: list[dict[str, Any]], timeout: float = 420.0) -> dict[str, Any]:
         """Give it its steps; its output, records decoded."""
@@ -241,22 +243,25 @@ class Started:
         tmp.write_text(json.dumps(steps))
         tmp.replace(self._sfile)  # whole or absent: the engine polls for it
         try:
-            _, stderr = self._proc.communicate(timeout=timeout)
+            self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
         if self._proc.returncode != 0 or not self._ofile.exists():
             code = self._proc.returncode
-            raise RuntimeError(f"engine process failed ({code}):\n{stderr[-6000:]}")
+            raise RuntimeError(f"engine process failed ({code}):\n{self._tail()}")
         out = json.loads(self._ofile.read_text())
         for r in out["ranks"]:
             r["recorded"] = decode(r["recorded"])
         return out
 
+    def _tail(self) -> str:
+        return self._log.read_text(errors="replace")[-6000:]
+
     def kill(self) -> None:
         if self._proc.poll() is None:
             self._proc.kill()
-            self._proc.communicate(timeout=30)
+            self._proc.wait(timeout=30)
 
 
 def start(model: str, namespace: str, workdir: str | os.PathLike[str], *, tp: int = 1) -> Started:

@@ -416,9 +416,11 @@ class EngineProcess:
         import subprocess
 
         self._pfile, self._ofile = pfile, ofile
-        self._proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        # Its output to a file, not a pipe: a pipe nobody reads until run() would stall the
+        # engine's start once its logs fill the pipe's buffer.
+        self._log = ofile.with_suffix(".log")
+        with open(self._log, "w") as log:
+            self._proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def run(self, prompts: Sequence[Sequence[int]], timeout: float = 300.0) -> list[dict[str, Any]]:
         """Hand the engine its prompts (once) and return its rounds; kills it on a timeout."""
@@ -428,20 +430,23 @@ class EngineProcess:
         tmp.write_text(json.dumps([list(p) for p in prompts]))
         tmp.replace(self._pfile)  # whole or absent: the engine polls for it
         try:
-            _, stderr = self._proc.communicate(timeout=timeout)
+            self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
         if self._proc.returncode != 0:
             code = self._proc.returncode
-            raise RuntimeError(f"engine process failed ({code}):\n{stderr[-6000:]}")
+            raise RuntimeError(f"engine process failed ({code}):\n{self._tail()}")
         return json.loads(self._ofile.read_text())["rounds"]
+
+    def _tail(self) -> str:
+        return self._log.read_text(errors="replace")[-6000:]
 
     def kill(self) -> None:
         """Stop it if it still runs (a test that never called :meth:`run`)."""
         if self._proc.poll() is None:
             self._proc.kill()
-            self._proc.communicate(timeout=30)
+            self._proc.wait(timeout=30)
 
 
 def start_engine_process(
