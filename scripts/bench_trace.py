@@ -313,6 +313,8 @@ def main() -> None:
     p.add_argument("--concurrent", action="store_true",
                    help="each engine runs its share at once, not one at a time")  # fmt: skip
     p.add_argument("--offline-only", action="store_true")
+    p.add_argument("--home", action="store_true",
+                   help="also simulate the pools with each put in its prefix's pool")  # fmt: skip
     p.add_argument("--per-block", action="store_true",
                    help="also simulate each policy with one entry a block")  # fmt: skip
     p.add_argument("--ceilings", action="store_true",
@@ -335,6 +337,9 @@ def main() -> None:
         for pol in policies:
             row[f"sim_{pol}"] = simulate(reqs, cap, pol).hit_rate
             row[f"sim_{pol}_{a.nodes}pools"] = simulate(reqs, cap, pol, nodes=a.nodes).hit_rate
+            if a.home:
+                home = simulate(reqs, cap, pol, nodes=a.nodes, placement="home")
+                row[f"sim_{pol}_{a.nodes}pools_home"] = home.hit_rate
             if a.per_block:  # every block an entry: what the segment granularity costs
                 row[f"sim_{pol}_blocks"] = simulate(reqs, cap, pol, per_block=True).hit_rate
         if a.ceilings:

@@ -61,6 +61,28 @@ def test_capacity_is_never_exceeded() -> None:
                 assert res.hit_blocks <= res.total_blocks
             pools = simulate(reqs, cap, name, nodes=3)  # each pool within its share
             assert pools.max_used <= cap // 3 and pools.hit_blocks <= pools.total_blocks
+            home = simulate(reqs, cap, name, nodes=3, placement="home")
+            assert home.max_used <= cap // 3 and home.hit_blocks <= home.total_blocks
+
+
+def test_home_placement_keeps_a_chain_in_one_pool_and_concentrates_a_shared_head() -> None:
+    """Pools with puts in the prefix's pool ("home"): a conversation that grows turn by turn
+    keeps every block in one pool, so its next turn hits it whole wherever it runs; and when
+    every request shares its first block (a system prompt, as in Mooncake's conversation
+    trace), everything lands in one pool: the others stay empty and the cluster holds a
+    pool's worth. Round robin ("own") spreads them."""
+    turns = [list(range(1, 1 + 4 * t)) for t in range(1, 5)]  # 4, 8, 12, 16 blocks
+    home = simulate(turns, 64, "lru", nodes=4, placement="home")
+    assert home.hit_blocks == 4 + 8 + 12  # every turn hits the whole previous one
+    # 8 conversations of 8 blocks after the shared one, each asked twice: 57 blocks, within
+    # the 4 x 16 blocks round robin spreads them over; in one pool of 16, 2 of them fit.
+    convs = [[0, *range(100 * k, 100 * k + 7)] for k in range(1, 9)]
+    own = simulate(convs + convs, 64, "lru", nodes=4)
+    one_pool = simulate(convs + convs, 64, "lru", nodes=4, placement="home")
+    assert own.hit_blocks == 7 + 8 * 8  # the shared block, then every second ask whole
+    assert one_pool.hit_blocks < own.hit_blocks / 2, one_pool
+    with pytest.raises(ValueError, match="placement"):
+        simulate(turns, 64, "lru", nodes=4, placement="nearest")
 
 
 def test_leased_entries_are_skipped_and_stats_say_why() -> None:

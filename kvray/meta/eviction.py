@@ -436,6 +436,7 @@ def simulate(
     *,
     per_block: bool = False,
     nodes: int = 1,
+    placement: str = "own",
 ) -> SimResult:
     """Replay requests (chains of block ids) through one cache of ``capacity_blocks`` blocks
     of one byte each ruled by ``policy``: each request hits the longest cached prefix, reads
@@ -446,9 +447,12 @@ def simulate(
     With ``nodes`` > 1 (``policy`` a name), as ``scripts/bench_trace.py``'s replay runs the
     pools: ``nodes`` caches of ``capacity_blocks // nodes`` blocks, requests round robin, the
     longest prefix held in any of them hit (each touches what it served), the rest put into
-    the request's own."""
+    the request's own; with ``placement="home"``, into the pool holding the last block hit
+    (none hit: a hash of the first block's), so a prefix's blocks and ghosts stay together."""
     if nodes > 1 and not isinstance(policy, str):
         raise ValueError("simulate: several nodes need a policy name (one policy each)")
+    if placement not in ("own", "home"):
+        raise ValueError(f"simulate: placement is 'own' or 'home', not {placement!r}")
     cap = capacity_blocks // nodes
     pols = [make_policy(policy, cap) if isinstance(policy, str) else policy for _ in range(nodes)]
     where: dict[int, tuple[int, int]] = {}  # block -> (node, entry)
@@ -479,7 +483,12 @@ def simulate(
                 counts.append(1)
         for node, (eids, counts) in touched.items():
             pols[node].touch(eids, counts)
-        me = i % nodes
+        if placement == "own" or not req:
+            me = i % nodes
+        elif n:
+            me = where[req[n - 1]][0]
+        else:  # a 64-bit multiplicative hash: trace ids are small consecutive integers
+            me = (((req[0] * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 32) % nodes
         pol = pols[me]
         new = [x for x in dict.fromkeys(req[n:]) if x not in where]
         groups = [[x] for x in new] if per_block else ([new] if new else [])
