@@ -20,9 +20,10 @@ import base64
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from kvray.testing.engines import StagedProcess, wait_for_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,12 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     sched = connector_of(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     steps = []
-    sfile, deadline = Path(args.steps), time.monotonic() + args.wait_s
-    while not sfile.exists():  # built; the test says when to go (what it stores first)
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no steps in {sfile} within {args.wait_s:.0f} s")
-        time.sleep(0.05)
-    plan = json.loads(sfile.read_text())
+    wait_for_file(Path(args.steps), args.wait_s)  # built; the test says when to go
+    plan = json.loads(Path(args.steps).read_text())
     sched.store.sync()  # what the test stored while this engine was being built is in its view
     for step in plan:
         if step.get("reset"):  # the saves so far stored and seen, then vLLM's cache emptied
@@ -222,46 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)  # skip vLLM + Ray teardown in this throwaway process
 
 
-class Started:
+class Started(StagedProcess):
     """The engine process, started (it builds its engine meanwhile) and waiting for its steps."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], sfile: Path, ofile: Path) -> None:
-        import subprocess
-
-        self._sfile, self._ofile = sfile, ofile
-        # Its output to a file, not a pipe: a pipe nobody reads until run() would stall the
-        # engine's start once its logs fill the pipe's buffer.
-        self._log = ofile.with_suffix(".log")
-        with open(self._log, "w") as log:
-            self._proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def run(self, steps: list[dict[str, Any]], timeout: float = 420.0) -> dict[str, Any]:
         """Give it its steps; its output, records decoded."""
-        import subprocess
-
-        tmp = self._sfile.with_suffix(".tmp")
-        tmp.write_text(json.dumps(steps))
-        tmp.replace(self._sfile)  # whole or absent: the engine polls for it
-        try:
-            self._proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        if self._proc.returncode != 0 or not self._ofile.exists():
-            code = self._proc.returncode
-            raise RuntimeError(f"engine process failed ({code}):\n{self._tail()}")
-        out = json.loads(self._ofile.read_text())
+        out = super().run(steps, timeout)
         for r in out["ranks"]:
             r["recorded"] = decode(r["recorded"])
         return out
-
-    def _tail(self) -> str:
-        return self._log.read_text(errors="replace")[-6000:]
-
-    def kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(timeout=30)
 
 
 def start(model: str, namespace: str, workdir: str | os.PathLike[str], *, tp: int = 1) -> Started:

@@ -356,12 +356,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
     )
     kw.pop("distributed_executor_backend", None)
     llm = LLM(**kw)
-    pfile, deadline = Path(args.prompts), time.monotonic() + args.wait_s
-    while not pfile.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no prompts in {pfile} within {args.wait_s:.0f} s")
-        time.sleep(0.05)
-    prompts = json.loads(pfile.read_text())
+    wait_for_file(Path(args.prompts), args.wait_s)
+    prompts = json.loads(Path(args.prompts).read_text())
     rounds = []
     for r in range(args.rounds):
         if r:
@@ -406,47 +402,63 @@ def wait_for_stored_blocks(namespace: str, timeout: float = 30.0) -> int:
     return last
 
 
-class EngineProcess:
-    """An engine in a fresh Python process (vLLM's default multiprocess mode), started now and
-    given its prompts later: :meth:`run` writes them and waits for its rounds. Starting it
-    early lets its ~20 s start (the process, its EngineCore and worker each import vLLM)
-    overlap other work."""
+def wait_for_file(path: Path, wait_s: float) -> None:
+    """Poll (every 50 ms, up to ``wait_s``) until ``path`` exists; exit the process if not."""
+    import time
 
-    def __init__(self, cmd: list[str], env: dict[str, str], pfile: Path, ofile: Path) -> None:
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"nothing in {path} within {wait_s:.0f} s")
+        time.sleep(0.05)
+
+
+class StagedProcess:
+    """A fresh Python process started now and given its input later: it does its slow start
+    (an engine's: it and its EngineCore and workers each import vLLM, ~20 s), then waits
+    (:func:`wait_for_file`) for the JSON :meth:`run` writes, and writes its JSON output.
+    Starting it early lets that start overlap other work."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], infile: Path, outfile: Path) -> None:
         import subprocess
 
-        self._pfile, self._ofile = pfile, ofile
+        self._infile, self._outfile = infile, outfile
         # Its output to a file, not a pipe: a pipe nobody reads until run() would stall the
-        # engine's start once its logs fill the pipe's buffer.
-        self._log = ofile.with_suffix(".log")
+        # process's start once its logs fill the pipe's buffer.
+        self._log = outfile.with_suffix(".log")
         with open(self._log, "w") as log:
             self._proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    def run(self, prompts: Sequence[Sequence[int]], timeout: float = 300.0) -> list[dict[str, Any]]:
-        """Hand the engine its prompts (once) and return its rounds; kills it on a timeout."""
+    def run(self, payload: Any, timeout: float) -> Any:
+        """Hand it ``payload`` (once) and return its output; kills it on a timeout."""
         import subprocess
 
-        tmp = self._pfile.with_suffix(".tmp")
-        tmp.write_text(json.dumps([list(p) for p in prompts]))
-        tmp.replace(self._pfile)  # whole or absent: the engine polls for it
+        tmp = self._infile.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload))
+        tmp.replace(self._infile)  # whole or absent: the process polls for it
         try:
             self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
-        if self._proc.returncode != 0:
-            code = self._proc.returncode
-            raise RuntimeError(f"engine process failed ({code}):\n{self._tail()}")
-        return json.loads(self._ofile.read_text())["rounds"]
-
-    def _tail(self) -> str:
-        return self._log.read_text(errors="replace")[-6000:]
+        if self._proc.returncode != 0 or not self._outfile.exists():
+            tail = self._log.read_text(errors="replace")[-6000:]
+            raise RuntimeError(f"engine process failed ({self._proc.returncode}):\n{tail}")
+        return json.loads(self._outfile.read_text())
 
     def kill(self) -> None:
         """Stop it if it still runs (a test that never called :meth:`run`)."""
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait(timeout=30)
+
+
+class EngineProcess(StagedProcess):
+    """An engine in a fresh Python process (vLLM's default multiprocess mode), started now and
+    given its prompts later: :meth:`run` writes them and waits for its rounds."""
+
+    def run(self, prompts: Sequence[Sequence[int]], timeout: float = 300.0) -> list[dict[str, Any]]:
+        return super().run([list(p) for p in prompts], timeout)["rounds"]
 
 
 def start_engine_process(
@@ -478,25 +490,6 @@ def start_engine_process(
     full_env = {**os.environ, **(env or {})}
     full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return EngineProcess(cmd, full_env, pfile, ofile)
-
-
-def run_engine_process(
-    model: str,
-    prompts: Sequence[Sequence[int]],
-    workdir: str | os.PathLike[str],
-    *,
-    namespace: str | None = None,
-    tp: int = 1,
-    rounds: int = 1,
-    max_tokens: int = 8,
-    env: dict[str, str] | None = None,
-    timeout: float = 300.0,
-) -> list[dict[str, Any]]:
-    """Run an engine in a fresh Python process (default multiprocess mode); its rounds."""
-    proc = start_engine_process(
-        model, workdir, namespace=namespace, tp=tp, rounds=rounds, max_tokens=max_tokens, env=env
-    )
-    return proc.run(prompts, timeout=timeout)
 
 
 if __name__ == "__main__":
