@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,8 @@ from kvray.config import KVRayConfig
 from kvray.errors import InvalidArgumentError, StoreUnavailableError
 from kvray.handles import HandleCache
 from kvray.meta.messages import INLINE_BYTES, LeaseReply, PutResult, pool_name
+from kvray.meta.segment import SegmentMeta, pack_keys, payload_bytes
+from kvray.meta.wire import lease_request, reply_from_wire
 from kvray.metrics import ClientTally
 from kvray.threads import SupervisedThread
 
@@ -52,8 +56,75 @@ __all__ = ["BlockIO"]
 RELEASE_INTERVAL_S = 1.0
 #: Finished leases a pool's batch may hold before it is sent at once.
 MAX_RELEASE_BATCH = 256
+#: A put of at most this many bytes goes by value, in pieces of at most ``INLINE_BYTES``
+#: sent at once from the caller's thread; a larger one through the object store from the put
+#: threads. Measured on a 2-core node (4 KiB blocks, put until acknowledged): 27 blocks
+#: 3.2 ms by value against 5.2 ms through the store, 48 blocks 3.6 against 5.3, 96 blocks
+#: 6.7 against 5.7.
+BY_VALUE_PUT_BYTES = 2 * INLINE_BYTES
 #: Restarts in a row of the maintenance thread before the BlockIO closes.
 RESTARTS = 3
+
+
+@dataclass(eq=False)
+class _SmallPut:
+    """A small put awaiting its pool's answer (:meth:`BlockIO._put_small`)."""
+
+    future: Future[PutResult]
+    pool: str
+    n: int
+    nbytes: int
+    t0: float  # time.perf_counter() at the put
+    deadline: float
+    ref: Any = None  # the call's ObjectRef, held until it is answered
+    done: bool = False
+
+
+def _wire(
+    keys: list[bytes], ids: np.ndarray, shard: int, nshards: int, sizes: np.ndarray, seg: Blocks
+) -> bytes:
+    """A segment's metadata as the pool's ``put_segment`` takes it."""
+    blob, offsets = pack_keys(keys)
+    n = len(keys)
+    return SegmentMeta(
+        blob,
+        offsets,
+        ids,
+        np.full(n, shard, dtype=np.uint16),
+        np.full(n, nshards, dtype=np.uint16),
+        sizes,
+        checksums(seg),
+    ).to_wire()
+
+
+def _gather(futures: list[Future[PutResult]]) -> Future[PutResult]:
+    """One Future of the sum of the pieces' results (each piece resolves, never raises)."""
+    if len(futures) == 1:
+        return futures[0]
+    out: Future[PutResult] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_: Future[PutResult]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        total = PutResult()
+        for f in futures:
+            total = total + f.result()
+        out.set_result(total)
+
+    for f in futures:
+        f.add_done_callback(one)
+    return out
+
+
+def _outcome(f: Future[Any]) -> tuple[PutResult | None, BaseException | None]:
+    try:
+        return f.result(), None
+    except BaseException as e:
+        return None, e
 
 
 class BlockIO:
@@ -70,6 +141,20 @@ class BlockIO:
         self.refused_inflight = 0
         self.refused_no_room = 0  # blocks whose segment this node's object store had no room for
         self._puts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvray-put")
+        self._small: dict[int, _SmallPut] = {}  # small puts awaiting their answer
+        # Their answers, from Ray's completion callback (a thread of Ray's own, which must
+        # never wait on a lock of ours or run a caller's callbacks) to the completion thread.
+        self._answers: queue.SimpleQueue[
+            tuple[_SmallPut, PutResult | None, BaseException | None] | None
+        ] = queue.SimpleQueue()
+        self._completer = SupervisedThread(
+            self._complete,
+            "kvray-put-done",
+            f"small puts of namespace {config.namespace!r}",
+            stop=self._closed,
+            restarts=RESTARTS,
+            on_death=lambda _: self.close(),
+        ).start()
         self._release_cv = threading.Condition()
         self._releases: dict[str, list[tuple[int, int]]] = {}  # pool name -> (lease, bytes)
         self._maint = SupervisedThread(
@@ -95,7 +180,7 @@ class BlockIO:
 
     @property
     def thread_deaths(self) -> int:
-        return self._maint.deaths
+        return self._maint.deaths + self._completer.deaths
 
     @property
     def local_pool(self) -> str:
@@ -127,10 +212,18 @@ class BlockIO:
                 fut.set_result(PutResult(0, 0, len(keys)))
                 return fut
             self._inflight += nbytes
+        pool = pool or self.local_pool
+        if nbytes <= BY_VALUE_PUT_BYTES:
+            pieces = self._by_value(blocks)
+            if pieces is not None:
+                return _gather(
+                    [
+                        self._put_small(keys[a:b], ids[a:b], shard, nshards, blocks[a:b], n, pool)
+                        for a, b, n in pieces
+                    ]
+                )
         try:
-            return self._puts.submit(
-                self._put_now, keys, ids, shard, nshards, blocks, nbytes, pool or self.local_pool
-            )
+            return self._puts.submit(self._put_now, keys, ids, shard, nshards, blocks, nbytes, pool)
         except RuntimeError:  # closed concurrently
             with self._inflight_lock:
                 self._inflight -= nbytes
@@ -146,8 +239,6 @@ class BlockIO:
         nbytes: int,
         pool: str,
     ) -> PutResult:
-        from kvray.meta.segment import pack_keys
-
         t0 = time.perf_counter()
         try:
             try:
@@ -164,33 +255,19 @@ class BlockIO:
                     if isinstance(seg, np.ndarray)
                     else np.fromiter((x.nbytes for x in seg), dtype=np.int64, count=b - a)
                 )
-                blob, offsets = pack_keys(keys[a:b])
                 # A small segment goes inside the call; a larger one through the object
                 # store, which the pool maps zero-copy.
                 seg_nbytes = int(sizes.sum())
                 try:
-                    ref = seg if seg_nbytes <= INLINE_BYTES else ray.put(seg)
+                    payload = payload_bytes(seg) if seg_nbytes <= INLINE_BYTES else [ray.put(seg)]
                 except (ObjectStoreFullError, OutOfDiskError) as e:
                     # No room in this node's object store, nor on its disk: a cache refuses
                     # what it cannot hold (counted), as a pool does; the next segment may fit.
                     self._refuse_no_room(b - a, seg_nbytes, e)
                     no_room += b - a
                     continue
-                pending.append(
-                    (
-                        b - a,
-                        handle.put_segment.remote(
-                            blob,
-                            offsets,
-                            ids[a:b],
-                            np.full(b - a, shard, dtype=np.uint16),
-                            np.full(b - a, nshards, dtype=np.uint16),
-                            sizes,
-                            checksums(seg),
-                            [ref],
-                        ),
-                    )
-                )
+                wire = _wire(keys[a:b], ids[a:b], shard, nshards, sizes, seg)
+                pending.append((b - a, handle.put_segment.remote(wire, payload)))
             result = PutResult(0, 0, no_room)
             for n, ref in pending:
                 try:
@@ -207,6 +284,88 @@ class BlockIO:
             with self._inflight_lock:
                 self._inflight -= nbytes
 
+    def _put_small(
+        self,
+        keys: list[bytes],
+        ids: np.ndarray,
+        shard: int,
+        nshards: int,
+        blocks: Blocks,
+        nbytes: int,
+        pool: str,
+    ) -> Future[PutResult]:
+        """A put of one segment small enough to go by value, sent from the caller's thread:
+        no hop through the put threads (~0.5 ms a put, measured); the Future resolves from
+        Ray's completion callback, or as refused by the maintenance thread once
+        ``put_timeout_s`` has passed without an answer."""
+        t0 = time.perf_counter()
+        fut: Future[PutResult] = Future()
+        pending = _SmallPut(fut, pool, len(keys), nbytes, t0, t0 + self.config.put_timeout_s)
+        try:
+            handle = self.handle(pool)
+            sizes = (
+                np.full(len(keys), blocks.shape[1], dtype=np.int64)
+                if isinstance(blocks, np.ndarray)
+                else np.fromiter((x.nbytes for x in blocks), dtype=np.int64, count=len(keys))
+            )
+            wire = _wire(keys, ids, shard, nshards, sizes, blocks)
+            pending.ref = ref = handle.put_segment.remote(wire, payload_bytes(blocks))
+        except Exception as e:
+            self._small_done(pending, None, e)
+            return fut
+        with self._inflight_lock:
+            self._small[id(pending)] = pending
+        ref.future().add_done_callback(lambda f: self._answers.put((pending, *_outcome(f))))
+        return fut
+
+    def _complete(self) -> None:
+        """Resolve small puts as their answers come (the completion thread)."""
+        while True:
+            try:
+                item = self._answers.get(timeout=RELEASE_INTERVAL_S)
+            except queue.Empty:
+                with self._inflight_lock:
+                    if self._closed.is_set() and not self._small:
+                        return
+                continue
+            if item is None:
+                return
+            self._small_done(*item)
+
+    def _small_done(
+        self, p: _SmallPut, result: PutResult | None, error: BaseException | None
+    ) -> None:
+        """Resolve a small put once (its answer, an error, or its timeout)."""
+        with self._inflight_lock:
+            if p.done:
+                return
+            p.done, p.ref = True, None
+            self._small.pop(id(p), None)
+            self._inflight -= p.nbytes
+        if result is None:
+            if error is not None and not isinstance(error, StoreUnavailableError):
+                self.failed(p.pool, error)
+            logger.warning("kvray put: segment of %d blocks failed: %s", p.n, error)
+            result = PutResult(0, 0, p.n)
+        else:
+            self.tally.add(bytes_stored=p.nbytes)
+            self.tally.observe("store_latencies", time.perf_counter() - p.t0)
+        p.future.set_result(result)
+
+    def _expire_small(self) -> None:
+        """Small puts past their deadline are refused (the maintenance thread's bound)."""
+        now = time.perf_counter()
+        with self._inflight_lock:
+            late = [p for p in self._small.values() if now > p.deadline]
+        for p in late:
+            self._small_done(p, None, TimeoutError(f"no answer in {self.config.put_timeout_s} s"))
+
+    def _expire_small_all(self) -> None:
+        with self._inflight_lock:
+            left = list(self._small.values())
+        for p in left:
+            self._small_done(p, None, StoreUnavailableError("kvray: the store closed"))
+
     def _refuse_no_room(self, n: int, nbytes: int, error: BaseException) -> None:
         self.tally.add(refused_no_room=n)
         with self._inflight_lock:
@@ -220,9 +379,25 @@ class BlockIO:
             type(error).__name__,
         )
 
-    def _segments(self, blocks: Blocks) -> list[tuple[int, int]]:
-        """[a, b) ranges of at most ``segment_bytes`` each (at least one block)."""
-        limit = self.config.segment_bytes
+    def _by_value(self, blocks: Blocks) -> list[tuple[int, int, int]] | None:
+        """``(a, b, bytes)`` pieces of at most ``INLINE_BYTES`` (and ``segment_bytes``) each,
+        to send by value; None when a block alone is larger."""
+        limit = min(INLINE_BYTES, self.config.segment_bytes)
+        out = []
+        for a, b in self._segments(blocks, limit):
+            n = (
+                (b - a) * int(blocks.shape[1])
+                if isinstance(blocks, np.ndarray)
+                else sum(int(x.nbytes) for x in blocks[a:b])
+            )
+            if n > limit:
+                return None
+            out.append((a, b, n))
+        return out
+
+    def _segments(self, blocks: Blocks, limit: int | None = None) -> list[tuple[int, int]]:
+        """[a, b) ranges of at most ``limit`` (``segment_bytes``) each (at least one block)."""
+        limit = limit or self.config.segment_bytes
         if isinstance(blocks, np.ndarray):
             per = max(1, limit // max(1, blocks.shape[1]))
             n = blocks.shape[0]
@@ -262,20 +437,25 @@ class BlockIO:
         lease_refs = {}
         for slot, idx in by_slot.items():
             try:
-                lease_refs[slot] = self.handle(pools[slot]).lease.remote(
-                    [keys[i] for i in idx],
-                    ids[idx],
-                    shard,
-                    max(0.0, deadline - time.monotonic()),
-                    remote=pools[slot] != self.local_pool,
-                    inline=INLINE_BYTES,
+                lease_refs[slot] = self.handle(pools[slot]).lease_wire.remote(
+                    lease_request(
+                        [keys[i] for i in idx],
+                        ids[idx],
+                        shard,
+                        max(0.0, deadline - time.monotonic()),
+                        pools[slot] != self.local_pool,
+                        INLINE_BYTES,
+                    )
                 )
             except Exception as e:
                 lost.update(dict.fromkeys(idx, f"pool unavailable ({type(e).__name__})"))
         replies: dict[int, LeaseReply] = {}
         for slot, ref in lease_refs.items():
             try:
-                replies[slot] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                got_reply = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                replies[slot] = (
+                    reply_from_wire(got_reply) if isinstance(got_reply, bytes) else got_reply
+                )
             except Exception as e:
                 self.failed(pools[slot], e)
                 lost.update(dict.fromkeys(by_slot[slot], f"pool failed ({type(e).__name__})"))
@@ -364,6 +544,7 @@ class BlockIO:
             if not ray.is_initialized():  # shut down under us: a Ray call would start a new one
                 return
             self.flush_releases()
+            self._expire_small()
             with contextlib.suppress(Exception):
                 self.tally.flush()
 
@@ -393,6 +574,12 @@ class BlockIO:
         """Wait for puts in flight, return every lease, stop the maintenance thread."""
         self._closed.set()
         self._puts.shutdown(wait=True)
+        with self._inflight_lock:
+            small = [p.future for p in self._small.values()]
+        wait(small, timeout=self.config.put_timeout_s)
+        self._expire_small_all()
+        self._answers.put(None)
+        self._completer.join(timeout=5)
         self.flush_releases()
         with self._release_cv:
             self._release_cv.notify_all()

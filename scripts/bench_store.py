@@ -10,6 +10,9 @@
   bytes moved over the bytes loaded, as Ray sees them on the reader node (its object manager's
   ``ray_object_manager_bytes{Type="Received"}`` and its object store's bytes in use).
 - memcpy: numpy copy of the same bytes, the limit of both.
+- small requests (issue 35): a put of 24 blocks of 4 KiB until acknowledged and a get of them,
+  from an actor on the pool's node, medians of ``--small-repeats``, beside the floor of a
+  no-op actor call with the same bytes as its one argument.
 - lookup: p50/p99 of a 64-key prefix match with 1M keys indexed, in the caller's process.
 - memory: index and client-view bytes per key.
 
@@ -34,6 +37,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import kvray
 from kvray.testing.cluster import simulated_cluster
@@ -76,6 +80,41 @@ class Remote:
         stored = sum(f.result(timeout=120).stored for f in futs)
         store.close()
         return stored
+
+
+@ray.remote(num_cpus=0)
+class Small:
+    """A client on the head node timing issue 35's request: 24 blocks of 4 KiB."""
+
+    def run(self, ns: str, pool_name: str, n: int) -> dict[str, float]:
+        store = kvray.connect(ns)
+        pool = ray.get_actor(pool_name, namespace="kvray")
+        rng = np.random.default_rng(7)
+        blocks = rng.integers(1, 255, (24, 4 << 10), dtype=np.uint8)
+        wire = blocks.tobytes()
+        puts, gets, floor = [], [], []
+        keys = [[uuid.uuid4().bytes for _ in range(24)] for _ in range(n)]
+        for k in keys:
+            t0 = time.perf_counter()
+            assert store.put(k, blocks).result(timeout=60).stored == 24
+            puts.append(time.perf_counter() - t0)
+        store.sync()
+        for k in keys:
+            t0 = time.perf_counter()
+            got = store.get(k)
+            gets.append(time.perf_counter() - t0)
+            assert got[0].tobytes() == blocks[0].tobytes()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ray.get(pool.__ray_call__.remote(lambda self, b: None, wire))
+            floor.append(time.perf_counter() - t0)
+        store.close()
+        ms = 1e3
+        return {
+            "put": statistics.median(puts) * ms,
+            "get": statistics.median(gets) * ms,
+            "floor": statistics.median(floor) * ms,
+        }
 
 
 def partial_reads(
@@ -217,6 +256,15 @@ def main() -> None:
         # --- partial cross-node reads: 1, 4, 16 blocks of segments never read before
         partial = partial_reads(store, remote, ns, 2 if args.quick else 5)
 
+        # --- small requests on one node
+        head = ray.get_runtime_context().get_node_id()
+        on_head = NodeAffinitySchedulingStrategy(head, soft=False)
+        small = ray.get(
+            Small.options(scheduling_strategy=on_head)
+            .remote()
+            .run.remote(ns, f"{ns}/pool/{head}", 50 if args.quick else 300)
+        )
+
         # --- lookup with many keys indexed
         index = ray.get_actor(f"{ns}/index/0", namespace="kvray")
         rss_index0 = ray.get(index.stats.remote())["rss_bytes"]
@@ -271,6 +319,11 @@ def main() -> None:
                     f"{r['received']:.2f} (Ray received) / {r['store']:.2f} (reader's store)",
                 )
                 for n, r in partial.items()
+            ),
+            (
+                "24 x 4 KiB put acknowledged / get (one node)",
+                f"{small['put']:.2f} ms / {small['get']:.2f} ms "
+                f"(a no-op actor call with 96 KiB: {small['floor']:.2f} ms)",
             ),
             ("keys indexed", f"{indexed:,}"),
             ("lookup 64-key prefix p50 / p99", f"{p50:.1f} us / {p99:.1f} us"),

@@ -20,7 +20,7 @@ from store_helpers import corrupt_in_plasma, wait_for
 import kvray
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import INLINE_BYTES, RAY_NAMESPACE, pool_name
-from kvray.meta.segment import pack_keys
+from kvray.meta.segment import SegmentMeta
 
 SMALL = 4 << 10  # 24 of them: 96 KiB, the issue's request
 
@@ -47,7 +47,9 @@ def test_a_small_read_comes_back_by_value_counted_once_and_unleased(module_ns: s
     store = kvray.connect(module_ns)
     pool = _pool(module_ns)
     keys, blocks = _keys(24), _blocks(24, SMALL)
+    heap = _stats(pool)["heap_bytes"]
     assert store.put(keys, blocks).result(timeout=30).stored == 24
+    assert _stats(pool)["heap_bytes"] == heap + 24 * SMALL  # kept in the pool's own memory
     store.sync()
     before = _stats(pool)
     got = store.get(keys)
@@ -132,31 +134,92 @@ def test_the_pool_takes_a_segment_sent_by_value(module_ns: str, form: str) -> No
     pool = _pool(module_ns)
     keys, blocks = _keys(4), _blocks(4, SMALL, seed=4)
     payload: Any = blocks if form == "array" else [b for b in blocks]
-    blob, offsets = pack_keys(keys)
     ids = key_ids(keys)
-    args = (
-        blob,
-        offsets,
-        ids,
-        np.zeros(4, np.uint16),
-        np.ones(4, np.uint16),
-        np.full(4, SMALL, np.int64),
-        np.zeros(4, np.uint64),  # checksums: not checked by the pool
-    )
-    result = ray.get(pool.put_segment.remote(*args, [payload]), timeout=30)
+
+    def wire(keys: list[bytes], ids: np.ndarray) -> bytes:
+        n = len(keys)
+        sizes = np.full(n, SMALL, np.int64)
+        zeros = np.zeros(n, np.uint64)  # checksums: not checked by the pool
+        return SegmentMeta.from_keys(
+            keys, ids, np.zeros(n, np.uint16), np.ones(n, np.uint16), sizes, zeros
+        ).to_wire()
+
+    heap_before = _stats(pool)["heap_bytes"]
+    result = ray.get(pool.put_segment.remote(wire(keys, ids), [payload]), timeout=30)
     assert result.stored == 4
+    # Sent by value, kept in the pool's own memory: no object store round trip on the put.
+    assert _stats(pool)["heap_bytes"] == heap_before + 4 * SMALL
+    # A read that is not answered by value (inline=0) still gets an object to map: made on
+    # demand, kept for later readers, and the heap copy goes.
     lease = ray.get(pool.lease.remote(keys, ids, 0), timeout=30)
     assert all(isinstance(r, ray.ObjectRef) for r in lease.segments.values())
     (seg,) = ray.get(list(lease.segments.values()))
     assert [seg[p].tobytes() for p in lease.positions.tolist()] == [b.tobytes() for b in blocks]
+    assert _stats(pool)["heap_bytes"] == heap_before
+    again = ray.get(pool.lease.remote(keys, ids, 0), timeout=30)
+    assert list(again.segments.values()) == list(lease.segments.values())  # the same object
     ray.get(pool.release.remote(lease.lease_id), timeout=30)
+    ray.get(pool.release.remote(again.lease_id), timeout=30)
     # Blocks that do not match their declared sizes are refused, counted, never stored.
     wrong = [b[:100] for b in blocks] if form == "list" else blocks[:, :100]
     other = _keys(4)
-    blob2, off2 = pack_keys(other)
-    refused = ray.get(
-        pool.put_segment.remote(blob2, off2, key_ids(other), *args[3:], [wrong]), timeout=30
-    )
+    refused = ray.get(pool.put_segment.remote(wire(other, key_ids(other)), [wrong]), timeout=30)
     assert (refused.stored, refused.refused) == (0, 4)
+    assert _stats(pool)["heap_bytes"] == heap_before
     missing = ray.get(pool.lease.remote(other, key_ids(other), 0), timeout=30)
     assert missing.num_found == 0
+
+
+def test_a_small_put_its_pool_does_not_answer_is_refused_in_time(module_ns: str) -> None:
+    """A small put is sent from the caller's thread, not the put threads; its bound still
+    holds: a pool that does not answer (its lock held here) has the put refused, counted,
+    within ``put_timeout_s`` and the maintenance thread's tick, and the store stays usable."""
+    import time
+
+    from kvray.config import KVRayConfig
+
+    store = kvray.connect(module_ns, KVRayConfig(namespace=module_ns, put_timeout_s=1.0))
+    pool = _pool(module_ns)
+    held = pool.__ray_call__.remote(
+        lambda self: self._lock.acquire() and (time.sleep(4.0), self._lock.release())
+    )
+    time.sleep(0.5)  # the lock is taken
+    keys, blocks = _keys(4), _blocks(4, SMALL, seed=8)
+    t0 = time.monotonic()
+    fut = store.put(keys, blocks)
+    result = fut.result(timeout=10)
+    elapsed = time.monotonic() - t0
+    assert (result.stored, result.refused) == (0, 4), result
+    assert elapsed < 3.5, elapsed  # 1 s bound + a 1 s tick, well before the lock goes
+    ray.get(held, timeout=30)
+    again = _keys(4)
+    assert store.put(again, blocks).result(timeout=30).stored == 4
+    store.close()
+
+
+def test_close_waits_for_small_puts_in_flight(module_ns: str) -> None:
+    store = kvray.connect(module_ns)
+    futures = [store.put(_keys(4), _blocks(4, SMALL, seed=s)) for s in range(8)]
+    store.close()
+    assert all(f.done() for f in futures)
+    assert sum(f.result().stored for f in futures) == 32
+
+
+def test_the_heap_budget_is_bounded_and_given_back() -> None:
+    """A pool keeps at most its budget of small segments in its own memory (what does not
+    fit goes to the object store), on copies of what it was sent; a segment's bytes come
+    back to the budget when the pool lets go of it."""
+    from kvray.actors.heap import HeapBudget
+
+    budget = HeapBudget(limit=3 * SMALL)
+    sent = _blocks(2, SMALL)
+    a = budget.hold(sent, 2 * SMALL)
+    assert a is not None and budget.used == 2 * SMALL
+    assert not np.shares_memory(a.payload, sent)
+    assert budget.hold(sent, 2 * SMALL) is None  # over the limit
+    b = budget.hold([sent[0]], SMALL)
+    assert b is not None and budget.used == 3 * SMALL
+    del a
+    assert budget.used == SMALL
+    del b
+    assert budget.used == 0

@@ -34,13 +34,14 @@ import numpy as np
 import ray
 from ray import ObjectRef
 
-from kvray.actors import slices
+from kvray.actors import heap, slices
 from kvray.actors.leases import Held, Leases
 from kvray.actors.poolstate import PoolState, Removed
 from kvray.actors.publisher import PUBLISH_INTERVAL_S, IndexPublisher
 from kvray.actors.tiering import Tiering
 from kvray.disk import DiskSettings
 from kvray.errors import InvalidArgumentError
+from kvray.meta import wire
 from kvray.meta.ids import index_shard_of, shard_ids
 from kvray.meta.messages import Inventory, LeaseReply, PutResult
 from kvray.meta.segment import SegmentMeta
@@ -86,6 +87,7 @@ class BlockPool:
         self._incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._state = PoolState(self._capacity, eviction_policy)
+        self._heap = heap.HeapBudget()
         self._leases = Leases(lease_timeout_s)
         self._pub = IndexPublisher(namespace, self._slot, self._incarnation, self._num_shards)
         self._metrics = PoolMetrics.disabled()
@@ -145,25 +147,17 @@ class BlockPool:
         return deleted
 
     # ------------------------------------------------------------------ writes
-    def put_segment(
-        self,
-        key_blob: bytes,
-        key_offsets: np.ndarray,
-        ids: np.ndarray,
-        shards: np.ndarray,
-        nshards: np.ndarray,
-        sizes: np.ndarray,
-        checksums: np.ndarray,
-        payload: list[Any],
-    ) -> PutResult:
-        """Take ownership of the new blocks of one client segment.
+    def put_segment(self, wire: bytes, payload: list[Any] | bytes) -> PutResult:
+        """Take ownership of the new blocks of one client segment (``wire``: its
+        :meth:`~kvray.meta.segment.SegmentMeta.to_wire`).
 
         ``payload`` is a one-element list so Ray hands us the ref instead of resolving it: we
         read it zero-copy and copy only the blocks we keep. A small segment comes by value
-        instead (the blocks themselves, see :data:`~kvray.meta.messages.INLINE_BYTES`).
+        instead (see :data:`~kvray.meta.messages.INLINE_BYTES`): its blocks concatenated in
+        one ``bytes`` (:func:`~kvray.meta.segment.payload_bytes`), or the blocks themselves.
         """
         t0 = time.perf_counter()
-        meta = SegmentMeta(key_blob, key_offsets, ids, shards, nshards, sizes, checksums)
+        meta = SegmentMeta.from_wire(wire)
         if (meta.sizes <= 0).any():
             raise ValueError("put_segment: every block must have at least one byte")
         n = len(meta)
@@ -194,7 +188,7 @@ class BlockPool:
                 st.reserved -= need
             return PutResult(0, duplicate, refused + collided)
         try:
-            own = self._copy(payload[0], meta, chosen)
+            own = self._copy(payload, meta, chosen)
         except Exception:
             with self._lock:
                 st.reserved -= need
@@ -220,14 +214,20 @@ class BlockPool:
         self._metrics.stored(stored, need, time.perf_counter() - t0, used)
         return PutResult(stored, duplicate + late_dups, refused + collided)
 
-    def _copy(self, payload: Any, meta: SegmentMeta, chosen: np.ndarray) -> Any:
-        """Map the client's segment (or take the blocks it sent by value) and copy the chosen
-        blocks into an object we own."""
-        if isinstance(payload, ObjectRef):
-            arrays = ray.get(payload, timeout=self._get_timeout_s)
+    def _copy(self, payload: list[Any] | bytes, meta: SegmentMeta, chosen: np.ndarray) -> Any:
+        """Map the client's segment and copy the chosen blocks into an object we own; blocks
+        it sent by value are kept in the pool's own memory while they fit (:mod:`.heap`)."""
+        if isinstance(payload, bytes):
+            arrays, by_value = meta.rows_of(payload), True
+        elif isinstance(payload[0], ObjectRef):
+            arrays, by_value = ray.get(payload[0], timeout=self._get_timeout_s), False
         else:
-            arrays = payload
+            arrays, by_value = payload[0], True
         own = meta.select(arrays, chosen)
+        if by_value:
+            kept = self._heap.hold(own, int(meta.sizes[chosen].sum()))
+            if kept is not None:
+                return kept
         ref = ray.put(own)
         del arrays, own
         return ref
@@ -294,6 +294,7 @@ class BlockPool:
             if remote and whole and not inlined:
                 sliced, copied = slices.cut(reply, whole, deadline)
                 cut += sliced  # (what inline found lost is not leased either)
+            heap.objects_for(reply, self._keep_object, deadline)
         finally:
             with self._lock:
                 st.unlease(pins)
@@ -316,6 +317,21 @@ class BlockPool:
         if inlined:
             self._metrics.served(inlined)
         return reply
+
+    def _keep_object(self, seg_id: int, held: heap.HeapSegment, ref: ObjectRef) -> None:
+        """A read needed an object of heap segment ``seg_id``: later readers get it too."""
+        with self._lock:
+            seg = self._state.segments.get(seg_id)
+            if seg is not None and seg.ref is held:
+                seg.ref = ref
+
+    def lease_wire(self, request: bytes) -> bytes | LeaseReply:
+        """:meth:`lease` with its arguments in one value (:func:`~kvray.meta.wire.lease_request`);
+        a reply served wholly by value comes back as bytes (:func:`~kvray.meta.wire.reply_to_wire`),
+        one that names objects as it is."""
+        keys, ids, shard, timeout, remote, inline = wire.parse_lease_request(request)
+        reply = self.lease(keys, ids, shard, timeout, remote=remote, inline=inline)
+        return wire.reply_to_wire(reply) or reply
 
     def release_many(self, leases: list[tuple[int, int]]) -> None:
         """Release a batch of ``(lease_id, served_bytes)`` (one call per reader and cycle)."""
@@ -411,6 +427,7 @@ class BlockPool:
                 "slot": self._slot,
                 **self._state.figures(),
                 "capacity": self._capacity,
+                "heap_bytes": self._heap.used,
                 "active_leases": len(self._leases),
                 "expired_leases": self._leases.expired,
                 "thread_deaths": self.thread_deaths,

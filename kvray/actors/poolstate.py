@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ray import ObjectRef
 
+from kvray.actors.heap import HeapSegment
 from kvray.disk import DiskSegment
 from kvray.meta.eviction import make_policy
 from kvray.meta.ids import shard_ids
@@ -38,7 +39,9 @@ __all__ = ["STATS_COUNTERS", "Counters", "PoolState", "Removed", "Segment"]
 
 @dataclass(eq=False)
 class Segment:
-    ref: ObjectRef | None  # the pool's object of the segment (None: on disk only)
+    # The pool's object of the segment, or its blocks in the pool's own memory (a small
+    # segment, :mod:`.heap`); None: on disk only.
+    ref: ObjectRef | HeapSegment | None
     meta: SegmentMeta
     live: np.ndarray  # bool per block: still held (in the table)
     live_count: int
@@ -152,7 +155,11 @@ class PoolState:
         return first[~held], duplicate, collided
 
     def add(
-        self, meta: SegmentMeta, pids: np.ndarray, ref: ObjectRef | None, disk: DiskSegment | None
+        self,
+        meta: SegmentMeta,
+        pids: np.ndarray,
+        ref: ObjectRef | HeapSegment | None,
+        disk: DiskSegment | None,
     ) -> tuple[int, np.ndarray]:
         """Register a segment (in RAM when ``ref``, else on disk only); returns its id and the
         positions stored (0 and none when every block is held already)."""
@@ -169,7 +176,7 @@ class PoolState:
             self.enter_ram(seg_id, seg, ref)
         return seg_id, pos
 
-    def enter_ram(self, seg_id: int, seg: Segment, ref: ObjectRef) -> None:
+    def enter_ram(self, seg_id: int, seg: Segment, ref: ObjectRef | HeapSegment) -> None:
         seg.ref, seg.in_ram = ref, True
         key = int(seg.meta.ids[0]) if len(seg.meta) else 0
         self.policy.insert(seg_id, seg.meta.nbytes, seg.live_count, key)

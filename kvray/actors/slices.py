@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from kvray.actors.heap import value
 from kvray.meta.messages import LeaseReply
 
 __all__ = ["WHOLE_ABOVE", "cut", "inline", "take"]
@@ -60,7 +61,7 @@ def _blocks_of(reply: LeaseReply, seg_id: int, idx: list[int], deadline: float) 
     order = np.argsort(reply.positions[idx], kind="stable")
     positions = reply.positions[idx][order].tolist()
     try:
-        payload = ray.get(reply.segments[seg_id], timeout=max(0.0, deadline - time.monotonic()))
+        payload = value(reply.segments[seg_id], max(0.0, deadline - time.monotonic()))
         blocks = take(payload, positions)
     except Exception as e:  # the pool's own object is gone: nothing to serve from it
         for i in idx:

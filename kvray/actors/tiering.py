@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Callable
 
 import numpy as np
-import ray
 
+from kvray.actors.heap import value
 from kvray.actors.poolstate import PoolState, Removed, Segment
 from kvray.actors.promote import DiskReads
 from kvray.disk import DiskSegment, DiskSettings, DiskTier, admit, fingerprint
@@ -200,7 +200,7 @@ class Tiering:
                 ref, meta, pos = seg.ref, seg.meta, seg.spill
             answer: bool | None = None  # False: the tier refused it (and counted it)
             try:
-                payload = ray.get(ref, timeout=self._timeout)
+                payload = value(ref, self._timeout)
                 select = None if len(pos) == len(meta) else pos
                 answer = self.tier.spill(meta, payload, select, tag=seg_id)  # type: ignore[union-attr]
                 del payload

@@ -14,7 +14,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SegmentMeta", "pack_keys"]
+__all__ = ["SegmentMeta", "pack_keys", "payload_bytes"]
+
+#: The arrays of :meth:`SegmentMeta.to_wire`, in order, little-endian.
+_WIRE = ("<i8", "<u8", "<u2", "<u2", "<i8", "<u8")
+
+
+def payload_bytes(blocks: Any) -> bytes:
+    """Blocks (a 2D uint8 array or a list of flat uint8 arrays) as one bytes value: what a
+    small put sends (Ray passes ``bytes`` for less than an array, see :mod:`kvray.meta.wire`)."""
+    if isinstance(blocks, np.ndarray):
+        return blocks.tobytes()
+    return b"".join(memoryview(np.ascontiguousarray(b)).cast("B") for b in blocks)
 
 
 def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, np.ndarray]:
@@ -87,6 +98,48 @@ class SegmentMeta:
     @property
     def nbytes(self) -> int:
         return int(self.sizes.sum())
+
+    def rows_of(self, data: bytes) -> Any:
+        """A payload sent as one bytes value (the blocks concatenated, see
+        :func:`payload_bytes`): a 2D array of equal blocks, else a list; ValueError when its
+        size is not the blocks' (read-only views of ``data``)."""
+        flat = np.frombuffer(data, dtype=np.uint8)
+        if flat.size != self.nbytes:
+            raise ValueError("put_segment: payload size does not match the block sizes")
+        n = len(self)
+        if n and (self.sizes == self.sizes[0]).all():
+            return flat.reshape(n, int(self.sizes[0]))
+        return np.split(flat, np.cumsum(self.sizes)[:-1].tolist()) if n else []
+
+    def to_wire(self) -> bytes:
+        """All of it as one bytes value: a put sends its pool one small argument, not seven
+        arrays Ray would serialize one by one (~0.2 ms a call, measured)."""
+        head = np.array([len(self)], dtype="<u8").tobytes()
+        parts = [
+            a.astype(t, copy=False).tobytes() for a, t in zip(self._arrays(), _WIRE, strict=True)
+        ]
+        return b"".join((head, *parts, self.key_blob))
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> SegmentMeta:
+        """The inverse of :meth:`to_wire` (ValueError on data it did not write)."""
+        buf = memoryview(data)
+        if len(buf) < 8:
+            raise ValueError("SegmentMeta: truncated wire data")
+        n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
+        counts = (n + 1, n, n, n, n, n)
+        if n > len(buf) or 8 + sum(
+            k * np.dtype(t).itemsize for k, t in zip(counts, _WIRE, strict=True)
+        ) > len(buf):
+            raise ValueError("SegmentMeta: truncated wire data")
+        arrays, off = [], 8
+        for k, t in zip(counts, _WIRE, strict=True):
+            arrays.append(np.frombuffer(buf, dtype=t, count=k, offset=off).copy())
+            off += k * np.dtype(t).itemsize
+        return cls(bytes(buf[off:]), *arrays)
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.key_offsets, self.ids, self.shards, self.nshards, self.sizes, self.checksums)
 
     @property
     def meta_nbytes(self) -> int:
