@@ -125,6 +125,7 @@ class BlockPool:
         while True:
             self._metrics.capacity(self._capacity)
             self._metrics.used(self._state.used)
+            self._metrics.heap(self._heap.used)
             if self._tiering is not None:
                 figures = self._tiering.figures()
                 self._metrics.disk(figures, self._disk_reported)
