@@ -2,7 +2,11 @@
 
 - ``put``: blocks go to this node's pool, found by name (``<namespace>/pool/<node id>``), so
   writes never depend on the index being up. A background thread checksums each segment,
-  ``ray.put``s it and hands the ref to the pool; the Future resolves when the pool owns it.
+  ``ray.put``s it and hands the ref to the pool; the Future resolves when the pool owns it. A
+  put of at most :data:`BY_VALUE_PUT_BYTES` goes by value instead, in pieces of at most
+  ``INLINE_BYTES`` sent from the caller's thread (metadata and blocks as ``bytes``, see
+  :mod:`kvray.meta.wire`), answered on the completion thread; the maintenance thread refuses
+  one unanswered after ``put_timeout_s``.
 - ``read``: blocks are leased from the pools the caller names (a view's location codes, or the
   locations a vLLM scheduler put in the connector metadata) and mapped zero-copy. The pool
   compares full keys, so a read never returns another key's bytes. A pool on another node

@@ -5,7 +5,9 @@ Write path (measured in ``scripts/bench_store.py``; see the README): a client ``
 or a list of arrays) and hands the ref to its node's pool; the pool maps it zero-copy, keeps
 only blocks it does not hold yet and re-``put``s them as one object of its own. That second
 copy is the price of ownership: an object is owned by the process that ``put`` it, and a vLLM
-worker that exits would take its objects with it. Segments are the unit of eviction (in the
+worker that exits would take its objects with it. A small segment (sent by value, inside the call)
+is kept in the pool's own memory instead, up to a bound, and made an object only when a read
+needs one (:mod:`.heap`). Segments are the unit of eviction (in the
 order of the ``eviction_policy``: LRU by last use by default), so ``used`` is exact: the bytes
 of the segments the pool holds in RAM, never above ``capacity``. A segment stays counted until
 its last block is evicted or dropped; readers' zero-copy views of an evicted segment keep its
@@ -148,8 +150,8 @@ class BlockPool:
         return deleted
 
     # ------------------------------------------------------------------ writes
-    def put_segment(self, wire: bytes, payload: list[Any] | bytes) -> PutResult:
-        """Take ownership of the new blocks of one client segment (``wire``: its
+    def put_segment(self, meta_wire: bytes, payload: list[Any] | bytes) -> PutResult:
+        """Take ownership of the new blocks of one client segment (``meta_wire``: its
         :meth:`~kvray.meta.segment.SegmentMeta.to_wire`).
 
         ``payload`` is a one-element list so Ray hands us the ref instead of resolving it: we
@@ -158,7 +160,7 @@ class BlockPool:
         one ``bytes`` (:func:`~kvray.meta.segment.payload_bytes`), or the blocks themselves.
         """
         t0 = time.perf_counter()
-        meta = SegmentMeta.from_wire(wire)
+        meta = SegmentMeta.from_wire(meta_wire)
         if (meta.sizes <= 0).any():
             raise ValueError("put_segment: every block must have at least one byte")
         n = len(meta)
