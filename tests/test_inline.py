@@ -181,9 +181,13 @@ def test_a_small_put_its_pool_does_not_answer_is_refused_in_time(module_ns: str)
     store = kvray.connect(module_ns, KVRayConfig(namespace=module_ns, put_timeout_s=1.0))
     pool = _pool(module_ns)
     held = pool.__ray_call__.remote(
-        lambda self: self._lock.acquire() and (time.sleep(4.0), self._lock.release())
+        lambda self: self._lock.acquire() and (time.sleep(6.0), self._lock.release())
     )
-    time.sleep(0.5)  # the lock is taken
+    wait_for(
+        lambda: ray.get(pool.__ray_call__.remote(lambda self: self._lock.locked()), timeout=30),
+        10,
+        "the pool's lock to be taken",
+    )
     keys, blocks = _keys(4), _blocks(4, SMALL, seed=8)
     t0 = time.monotonic()
     fut = store.put(keys, blocks)
