@@ -47,7 +47,7 @@ from kvray.config import KVRayConfig
 from kvray.errors import InvalidArgumentError, StoreUnavailableError
 from kvray.handles import HandleCache
 from kvray.meta.messages import INLINE_BYTES, LeaseReply, PutResult, pool_name
-from kvray.meta.segment import SegmentMeta, pack_keys, payload_bytes
+from kvray.meta.segment import SegmentMeta, payload_bytes
 from kvray.meta.wire import lease_request, reply_from_wire
 from kvray.metrics import ClientTally
 from kvray.threads import SupervisedThread
@@ -84,15 +84,20 @@ class _SmallPut:
     done: bool = False
 
 
+def _block_sizes(blocks: Blocks) -> np.ndarray:
+    """Bytes of each block (int64), for a 2D array of rows or a list of arrays."""
+    if isinstance(blocks, np.ndarray):
+        return np.full(blocks.shape[0], blocks.shape[1], dtype=np.int64)
+    return np.fromiter((x.nbytes for x in blocks), dtype=np.int64, count=len(blocks))
+
+
 def _wire(
     keys: list[bytes], ids: np.ndarray, shard: int, nshards: int, sizes: np.ndarray, seg: Blocks
 ) -> bytes:
     """A segment's metadata as the pool's ``put_segment`` takes it."""
-    blob, offsets = pack_keys(keys)
     n = len(keys)
-    return SegmentMeta(
-        blob,
-        offsets,
+    return SegmentMeta.from_keys(
+        keys,
         ids,
         np.full(n, shard, dtype=np.uint16),
         np.full(n, nshards, dtype=np.uint16),
@@ -151,20 +156,20 @@ class BlockIO:
         self._answers: queue.SimpleQueue[
             tuple[_SmallPut, PutResult | None, BaseException | None] | None
         ] = queue.SimpleQueue()
-        self._completer = SupervisedThread(
-            self._complete,
-            "kvray-put-done",
-            f"small puts of namespace {config.namespace!r}",
-            stop=self._closed,
-            restarts=RESTARTS,
-            on_death=lambda _: self.close(),
-        ).start()
         self._release_cv = threading.Condition()
         self._releases: dict[str, list[tuple[int, int]]] = {}  # pool name -> (lease, bytes)
-        self._maint = SupervisedThread(
-            self._maintain,
-            "kvray-io",
-            f"the data path of namespace {config.namespace!r}",
+        ns = config.namespace
+        self._completer = self._owned(
+            self._complete, "kvray-put-done", f"small puts of namespace {ns!r}"
+        )
+        self._maint = self._owned(self._maintain, "kvray-io", f"the data path of namespace {ns!r}")
+
+    def _owned(self, target: Any, name: str, what: str) -> SupervisedThread:
+        """A thread of this BlockIO: stopped by :meth:`close`, which its death calls."""
+        return SupervisedThread(
+            target,
+            name,
+            what,
             stop=self._closed,
             restarts=RESTARTS,
             on_death=lambda _: self.close(),
@@ -254,11 +259,7 @@ class BlockIO:
             no_room = 0  # blocks refused here: no room for their segment in the object store
             for a, b in self._segments(blocks):
                 seg = blocks[a:b]
-                sizes = (
-                    np.full(b - a, seg.shape[1], dtype=np.int64)
-                    if isinstance(seg, np.ndarray)
-                    else np.fromiter((x.nbytes for x in seg), dtype=np.int64, count=b - a)
-                )
+                sizes = _block_sizes(seg)
                 # A small segment goes inside the call; a larger one through the object
                 # store, which the pool maps zero-copy.
                 seg_nbytes = int(sizes.sum())
@@ -307,12 +308,7 @@ class BlockIO:
         pending = _SmallPut(fut, pool, len(keys), nbytes, t0, t0 + self.config.put_timeout_s)
         try:
             handle = self.handle(pool)
-            sizes = (
-                np.full(len(keys), blocks.shape[1], dtype=np.int64)
-                if isinstance(blocks, np.ndarray)
-                else np.fromiter((x.nbytes for x in blocks), dtype=np.int64, count=len(keys))
-            )
-            wire = _wire(keys, ids, shard, nshards, sizes, blocks)
+            wire = _wire(keys, ids, shard, nshards, _block_sizes(blocks), blocks)
             pending.ref = ref = handle.put_segment.remote(wire, payload_bytes(blocks))
         except Exception as e:
             self._small_done(pending, None, e)
@@ -389,11 +385,7 @@ class BlockIO:
         limit = min(INLINE_BYTES, self.config.segment_bytes)
         out = []
         for a, b in self._segments(blocks, limit):
-            n = (
-                (b - a) * int(blocks.shape[1])
-                if isinstance(blocks, np.ndarray)
-                else sum(int(x.nbytes) for x in blocks[a:b])
-            )
+            n = int(_block_sizes(blocks[a:b]).sum())
             if n > limit:
                 return None
             out.append((a, b, n))

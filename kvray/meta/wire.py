@@ -114,7 +114,7 @@ def reply_from_wire(data: bytes) -> LeaseReply:
         arrays.append(np.frombuffer(buf, dtype=dtype, count=n, offset=at).copy())
         at += 8 * n
     seg_ids, positions, nbytes, sums = arrays
-    reply = LeaseReply(lease_id, seg_ids, positions, nbytes, sums.astype(np.uint64))
+    reply = LeaseReply(lease_id, seg_ids, positions, nbytes, sums)
     for _ in range(nseg):
         if len(buf) < at + _SEGMENT.size:
             raise ValueError("lease reply: truncated")
