@@ -405,7 +405,7 @@ def test_window_group_stores_at_most_its_window_per_request(engines: Any) -> Non
     assert len(swa) <= 2 * WINDOW_BLOCKS and len(set(swa)) == len(swa)
 
 
-def test_mamba_groups_are_refused_in_one_line(model_dir: str, module_ns: str) -> None:
+def test_mamba_groups_without_aligned_state_are_refused_in_one_line(model_dir: str, module_ns: str) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -443,9 +443,9 @@ def test_mamba_groups_are_refused_in_one_line(model_dir: str, module_ns: str) ->
             KVRayConnector(vllm_config, role, kv_cache_config)
         assert isinstance(err.value, KVRayError)
         assert str(err.value) == (
-            "kvray connector: this model's KV cache groups are [full_attention, mamba]: "
-            "kvray stores full-attention and sliding-window groups only; "
-            "run this model without kvray"
+            "kvray connector: this model's KV cache groups are [full_attention, mamba]: vLLM "
+            "keeps no block-aligned mamba state in mamba_cache_mode 'none' (run with "
+            "--enable-prefix-caching --mamba-cache-mode align); run this model without kvray"
         )
 
 

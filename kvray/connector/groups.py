@@ -16,8 +16,17 @@ groups of one model never share a key), and its own kind of stores:
   prompt, before the end of the request, and before where a lookup found the stored prefix to
   stop (where the next request sharing it will stop too).
 
-Other kinds (Mamba/SSM state, chunked local attention, ...) are refused when the engine starts,
-in one line naming the model's group kinds.
+- **state** (Mamba/SSM layers, vLLM's ``mamba_cache_mode="align"``): vLLM keeps, in the group's
+  block ``p``, the layers' recurrent state after exactly ``(p + 1) * block_size`` tokens, but only
+  at the block boundaries it materializes (the ends of prefill chunks, the prompt's checkpoint
+  one token short of its end, each boundary decode crosses); the other blocks are null. A hit
+  ending at token ``E`` (a block boundary: a state holds no earlier token) needs that one block,
+  ``E / block_size - 1``. kvray stores every state block vLLM materializes, while vLLM holds it
+  (the same states vLLM's own prefix cache keeps), in a key space tied to the TP size (a state
+  is not split into canonical head ranges).
+
+Other kinds (chunked local attention, Mamba without ``align`` mode, ...) are refused when the
+engine starts, in one line naming the model's group kinds.
 """
 
 from __future__ import annotations
@@ -28,17 +37,31 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvray.config import KVRayConfig
-from kvray.connector.keyspace import EngineKeySpace, build_key_space, group_key_space
+from kvray.connector.keyspace import (
+    EngineKeySpace,
+    build_key_space,
+    group_key_space,
+    state_key_space,
+)
 from kvray.errors import KVRayError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["FULL", "SLIDING", "CacheGroup", "UnsupportedGroupsError", "build_groups", "group_kind"]
+__all__ = [
+    "FULL",
+    "SLIDING",
+    "STATE",
+    "CacheGroup",
+    "UnsupportedGroupsError",
+    "build_groups",
+    "group_kind",
+]
 
 FULL = "full_attention"
 SLIDING = "sliding_window"
+STATE = "mamba"
 
 
 class UnsupportedGroupsError(KVRayError, NotImplementedError):
@@ -59,11 +82,24 @@ class CacheGroup:
 
     @property
     def windowed(self) -> bool:
-        return self.kind == SLIDING
+        """A hit needs only the group's last blocks before its end (sliding window, state)."""
+        return self.kind in (SLIDING, STATE)
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind == STATE
+
+    def can_end(self, end_tokens: int) -> bool:
+        """Whether a hit may end at token ``end_tokens`` for this group (a state only at a
+        block boundary: vLLM keeps no state for a token inside a block)."""
+        return not self.is_state or end_tokens % self.key_space.block_size == 0
 
     def need_from(self, end_tokens: int) -> int:
         """The first block a hit ending at token ``end_tokens`` needs (vLLM keeps the blocks
-        from there on: ``SlidingWindowManager.get_num_skipped_tokens``)."""
+        from there on: ``get_num_skipped_tokens`` of its ``SlidingWindowManager``, and of its
+        ``MambaManager``: every token but the last)."""
+        if self.is_state:
+            return max(0, end_tokens - 1) // self.key_space.block_size
         if not self.windowed:
             return 0
         return max(0, end_tokens - self.window + 1) // self.key_space.block_size
@@ -101,7 +137,7 @@ def build_groups(
 ) -> tuple[CacheGroup, ...]:
     """The engine's groups; raises :class:`UnsupportedGroupsError` (one line) on kinds kvray
     cannot store."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) == 1:
@@ -109,11 +145,13 @@ def build_groups(
         return (CacheGroup(0, FULL, ks, tuple(groups[0].layer_names)),)
     kinds = [group_kind(g.kv_cache_spec) for g in groups]
     block_size = vllm_config.cache_config.block_size
-    supported = all(k == FULL or k.startswith(SLIDING) for k in kinds)
+    supported = all(k in (FULL, STATE) or k.startswith(SLIDING) for k in kinds)
     sizes = {int(getattr(g.kv_cache_spec, "block_size", 0)) for g in groups}
     problem = ""
     if not supported:
-        problem = "kvray stores full-attention and sliding-window groups only"
+        problem = "kvray stores full-attention, sliding-window and mamba (align mode) groups only"
+    elif STATE in kinds and (why := _state_problem(groups)):
+        problem = why
     elif FULL not in kinds:
         problem = "kvray needs a full-attention group to decide hits"
     elif sizes != {block_size}:
@@ -128,14 +166,39 @@ def build_groups(
         spec = g.kv_cache_spec
         names = tuple(g.layer_names)
         digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
+        tags = [f"group:{kind}", f"layers:{digest}"]
+        if isinstance(spec, MambaSpec):
+            ks = state_key_space(config, vllm_config, spec, len(names), extra_tags=tags)
+            out.append(CacheGroup(i, STATE, ks, names))
+            continue
         window = 0
         if isinstance(spec, SlidingWindowSpec):
             window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
-        ks = group_key_space(
-            config, vllm_config, spec, len(names), extra_tags=[f"group:{kind}", f"layers:{digest}"]
-        )
+        ks = group_key_space(config, vllm_config, spec, len(names), extra_tags=tags)
         out.append(CacheGroup(i, SLIDING if window else FULL, ks, names, window))
     return tuple(out)
+
+
+def _state_problem(groups: Sequence[Any]) -> str:
+    """Why kvray cannot store the model's Mamba groups ("" when it can): vLLM materializes
+    block-aligned states only in ``align`` mode, and kvray keys them by whole blocks."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    for g in groups:
+        spec = g.kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            continue
+        if spec.mamba_cache_mode != "align":
+            return (
+                f"vLLM keeps no block-aligned mamba state in mamba_cache_mode "
+                f"{spec.mamba_cache_mode!r} (run with --enable-prefix-caching "
+                "--mamba-cache-mode align)"
+            )
+        if spec.num_speculative_blocks:
+            return "kvray does not store mamba state with speculative decoding blocks"
+        if getattr(spec, "tokens_per_state", -1) > 0:
+            return "kvray does not store mamba state kept per token group inside a block"
+    return ""
 
 
 def deciding(groups: Sequence[CacheGroup]) -> CacheGroup:

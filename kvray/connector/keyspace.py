@@ -30,7 +30,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -143,12 +143,14 @@ def key_space(
     mla: bool = False,
     variant: str = "",
     salt: str = "",
+    tp_bound: bool = False,
 ) -> EngineKeySpace:
     """The key space of an engine described by plain values (``build_key_space`` reads them
     from vLLM's config). ``page_nbytes``: one layer of one block of one rank.
 
     Reuse across TP sizes needs CPU caches (heads contiguous per layer) whose per-rank head
-    count is vLLM's (``max(1, H // T)``); anything else keeps the TP size in the fingerprint.
+    count is vLLM's (``max(1, H // T)``); anything else keeps the TP size in the fingerprint,
+    and so does ``tp_bound`` (bytes that are no canonical head ranges: a Mamba state).
     """
     heads = 1 if mla else total_heads
     consistent = mla or (
@@ -166,7 +168,13 @@ def key_space(
         )
         heads = tp_size * rank_heads
     grouping = 1 if mla else min(tp_size, heads) if consistent else tp_size
-    cross = consistent and not mla and device == "cpu" and page_nbytes % rank_heads == 0
+    cross = (
+        consistent
+        and not mla
+        and not tp_bound
+        and device == "cpu"
+        and page_nbytes % rank_heads == 0
+    )
     if mla or cross:  # the bytes of a stored shard do not depend on the TP size
         shape = [f"H{heads}", f"P{page_nbytes // rank_heads}", "mla" if mla else "mha/heads"]
     else:  # per-rank facts: blocks are only shared at this TP size
@@ -269,6 +277,57 @@ def group_key_space(
         mla=use_mla,
         variant=variant,
         salt=f"{FORMAT_VERSION}|{config.cache_salt}",
+    )
+
+
+def state_page_nbytes(spec: Any) -> int:
+    """Bytes of one block of one Mamba layer kvray moves: the state vLLM keeps in it (its
+    ``[B, H, N, C]`` layer view without the block axis; the page's padding is not moved)."""
+    try:
+        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+
+        return math.prod(compute_layer_kv_cache_shape_bytes(spec, 1)[1:])
+    except ImportError:  # a vLLM without per-layer views: the state's own bytes
+        return int(spec.state_content_size_bytes)
+
+
+def state_key_space(
+    config: KVRayConfig,
+    vllm_config: VllmConfig,
+    spec: Any,
+    num_layers: int,
+    extra_tags: Sequence[str] = (),
+) -> EngineKeySpace:
+    """The key space of a Mamba group: every rank stores its own state under the TP size (no
+    reuse across TP sizes), keyed by the state's shapes and dtypes."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise NotImplementedError("kvray connector: pipeline parallelism is not supported yet")
+    cache = vllm_config.cache_config
+    model_cfg = vllm_config.model_config
+    tp_size = parallel.tensor_parallel_size
+    page = state_page_nbytes(spec)
+    shapes = ";".join(
+        f"{'x'.join(map(str, sh))}:{dt}" for sh, dt in zip(spec.shapes, spec.dtypes, strict=True)
+    )
+    model = config.model_id or model_cfg.model
+    return key_space(
+        model=f"{model}@{model_cfg.revision or ''}",
+        kv_dtype=f"state/{cache.mamba_ssm_cache_dtype}/{cache.mamba_cache_dtype}",
+        block_size=cache.block_size,
+        hash_algo=str(cache.prefix_caching_hash_algo),
+        device=str(current_platform.device_type),
+        layout_tags=[type(spec).__name__, str(spec.mamba_type), shapes, *extra_tags],
+        total_heads=tp_size,
+        rank_heads=1,
+        head_size=page,
+        num_layers=num_layers,
+        page_nbytes=page,
+        tp_size=tp_size,
+        salt=f"{FORMAT_VERSION}|{config.cache_salt}",
+        tp_bound=True,
     )
 
 

@@ -92,6 +92,8 @@ class _RequestState:
     #: is stored once computed), and the blocks planned so far, per group.
     anchors: set[int] = field(default_factory=set)
     window_planned: dict[int, set[int]] = field(default_factory=dict)
+    #: State groups: the blocks below this were looked at for states to store, per group.
+    states_scanned: dict[int, int] = field(default_factory=dict)
     prompt_anchored: bool = False
     #: The grouping the last lookup found the hit in (the next load reads it).
     hit_grouping: int = 0
@@ -153,7 +155,9 @@ class KVRayConnectorScheduler:
         self._main = deciding(groups).index
         self.managers: dict[int, CacheManager] = {**(managers or {}), self._main: manager}
         self._full = [g for g in groups if not g.windowed]
+        #: Groups a hit needs only the last blocks of (sliding windows, states).
         self._windows = [g for g in groups if g.windowed]
+        self._states = [g for g in groups if g.is_state]
         self.block_size = key_space.block_size
         self.world_size = world_size
         #: A store job never has more blocks than a worker's staging pool holds.
@@ -273,7 +277,10 @@ class KVRayConnectorScheduler:
         """The last hit end in (start, end] whose window of ``group`` is present."""
         bs = self.block_size
         for m in range(end, start, -1):
-            a = max(start, group.need_from(_hit_tokens(request, m * bs)))
+            tokens = _hit_tokens(request, m * bs)
+            if not group.can_end(tokens):
+                continue
+            a = max(start, group.need_from(tokens))
             if present[a - start : m - start].all():
                 return m
         return start
@@ -374,6 +381,7 @@ class KVRayConnectorScheduler:
             return False
         upto_blocks = self._sighted(state, upto_blocks)
         planned = self._plan_windows(state, upto_blocks, finish) if self._windows else False
+        planned |= self._plan_states(state, upto_blocks, finish) if self._states else False
         first = state.num_planned_blocks
         if upto_blocks <= first:
             return planned
@@ -433,24 +441,51 @@ class KVRayConnectorScheduler:
         state.anchors.difference_update(reached)
         planned = False
         for group in self._windows:
-            g = group.index
-            done = state.window_planned.setdefault(g, set())
-            ids = state.block_ids[g]
-            want = sorted({i for n in reached for i in group.window_blocks(n)} - done)
-            want = [i for i in want if i < len(ids) and ids[i] != NULL_BLOCK_ID]
-            if not want:
+            if group.is_state:
                 continue
-            done.update(want)
-            hashes = [bytes(req.block_hashes[i]) for i in want]
-            present = self.managers[g].present(hashes)
-            idx = [
-                i
-                for i, h, p in zip(want, hashes, present, strict=True)
-                if (g, h) not in self._storing and not p
-            ]
-            step = self.max_store_blocks
-            for a in range(0, len(idx), step):
-                planned |= self._store_job(state, idx[a : a + step], finish, g) is not None
+            want = sorted({i for n in reached for i in group.window_blocks(n)})
+            planned |= self._plan_group(state, group, want, finish)
+        return planned
+
+    def _plan_states(self, state: _RequestState, upto_blocks: int, finish: bool) -> bool:
+        """State groups store every state vLLM materialized below ``upto_blocks`` and still
+        holds: its non-null blocks there (block ``p`` holds the state after exactly
+        ``(p + 1) * block_size`` tokens once that many are computed, vLLM's invariant)."""
+        planned = False
+        for group in self._states:
+            ids = state.block_ids[group.index]
+            upto = min(upto_blocks, len(ids))
+            scanned = state.states_scanned.get(group.index, 0)
+            if upto <= scanned:
+                continue
+            state.states_scanned[group.index] = upto
+            want = [i for i in range(scanned, upto) if ids[i] != NULL_BLOCK_ID]
+            planned |= self._plan_group(state, group, want, finish)
+        return planned
+
+    def _plan_group(
+        self, state: _RequestState, group: CacheGroup, want: list[int], finish: bool
+    ) -> bool:
+        """Store jobs for blocks ``want`` of a windowed group: those vLLM still holds, not
+        planned before for this request, not stored or being stored."""
+        g = group.index
+        done = state.window_planned.setdefault(g, set())
+        ids = state.block_ids[g]
+        want = [i for i in want if i not in done and i < len(ids) and ids[i] != NULL_BLOCK_ID]
+        if not want:
+            return False
+        done.update(want)
+        hashes = [bytes(state.request.block_hashes[i]) for i in want]
+        present = self.managers[g].present(hashes)
+        idx = [
+            i
+            for i, h, p in zip(want, hashes, present, strict=True)
+            if (g, h) not in self._storing and not p
+        ]
+        planned = False
+        step = self.max_store_blocks
+        for a in range(0, len(idx), step):
+            planned |= self._store_job(state, idx[a : a + step], finish, g) is not None
         return planned
 
     def _store_job(
@@ -517,6 +552,8 @@ class KVRayConnectorScheduler:
             decoding = req.num_computed_tokens >= req.num_prompt_tokens
             if not decoding or full - state.num_planned_blocks >= self.decode_store_blocks:
                 self._plan_store(state, full)
+            elif self._states:  # a state vLLM frees two steps after decode materializes it
+                self._plan_states(state, full, finish=False)
         meta = KVRayConnectorMetadata(
             loads=self._new_loads,
             stores=self._new_stores,

@@ -35,6 +35,32 @@ from kvray.kernels.heads import is_head_major
 logger = logging.getLogger(__name__)
 
 
+def state_bytes(t: torch.Tensor, name: str, ks: EngineKeySpace) -> torch.Tensor:
+    """One Mamba layer's states as bytes ``[num_blocks, 1, state bytes]`` (the copy kernels'
+    one-vector-per-block layout): vLLM views a layer's blocks as ``[B, H, N, C]`` whose
+    ``H, N, C`` lie back to back, ``stride(0)`` bytes apart (its padded page)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        raise RuntimeError(
+            f"kvray connector: mamba layer {name}'s cache is a {type(t).__name__}, not a "
+            "block-major tensor; refusing"
+        )
+    elem = t.element_size()
+    page = ks.block_nbytes // ks.num_layers
+    inner = t[0]
+    if inner.numel() * elem != page or not inner.is_contiguous():
+        raise RuntimeError(
+            f"kvray connector: mamba layer {name}'s cache {list(t.shape)} (strides "
+            f"{list(t.stride())}) does not hold its {page} B state per block in one piece; "
+            "refusing"
+        )
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(),
+        t.storage_offset() * elem,
+        (t.shape[0], 1, page),
+        (t.stride(0) * elem, page, 1),
+    )
+
+
 class KVRayConnectorWorker:
     """Executes the scheduler's jobs for one TP rank and reports them back."""
 
@@ -79,15 +105,24 @@ class KVRayConnectorWorker:
                     f"kvray connector: KV cache group {group.index} ({group.kind}) has "
                     f"{len(group.layer_names)} layers, {len(caches)} registered; refusing"
                 )
-            handlers[group.index] = self._handler(caches, group.key_space)
+            if group.is_state:
+                caches = {n: state_bytes(t, n, group.key_space) for n, t in caches.items()}
+            handlers[group.index] = self._handler(caches, group.key_space, group.is_state)
         layers = {n: g.index for g in self.groups for n in g.layer_names}
         self.handler = GroupedTransfer(handlers, layers)
 
-    def _handler(self, kv_caches: dict[str, torch.Tensor], ks: EngineKeySpace) -> TransferHandler:
-        """The transfer handler of the layers of one KV cache group (all of them: one group)."""
+    def _handler(
+        self, kv_caches: dict[str, torch.Tensor], ks: EngineKeySpace, state: bool = False
+    ) -> TransferHandler:
+        """The transfer handler of the layers of one KV cache group (all of them: one group;
+        ``state``: Mamba layers as :func:`state_bytes` views)."""
         first = next(iter(kv_caches.values()))
-        layout = describe_kv_caches(
-            kv_caches, block_size=ks.block_size, layout_hint=self.layout_hint
+        layout = (
+            describe_kv_caches(kv_caches, block_size=1, layout_hint="mla")
+            if state
+            else describe_kv_caches(
+                kv_caches, block_size=ks.block_size, layout_hint=self.layout_hint
+            )
         )
         if layout.block_nbytes != ks.block_nbytes or (
             ks.variant and layout.variant and layout.variant != ks.variant
