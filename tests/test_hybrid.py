@@ -405,7 +405,9 @@ def test_window_group_stores_at_most_its_window_per_request(engines: Any) -> Non
     assert len(swa) <= 2 * WINDOW_BLOCKS and len(set(swa)) == len(swa)
 
 
-def test_mamba_groups_without_aligned_state_are_refused_in_one_line(model_dir: str, module_ns: str) -> None:
+def test_mamba_groups_without_aligned_state_are_refused_in_one_line(
+    model_dir: str, module_ns: str
+) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
