@@ -193,14 +193,11 @@ def test_a_mamba_group_has_its_own_key_space_tied_to_the_tp_size(engines: Any) -
     assert e.scheduler.connector.key_space is full.key_space  # full attention decides hits
 
 
-@pytest.mark.parametrize("load_mode", ["sync", "async"])
-def test_a_second_engine_loads_the_state_where_the_shared_prompt_stops(
-    engines: Any, load_mode: str
-) -> None:
+def test_a_second_engine_loads_the_state_where_the_shared_prompt_stops(engines: Any) -> None:
     """vLLM materializes the state one token short of the prompt's end, block-aligned (where
     a request re-sending the prompt hits): kvray stores exactly that state, and another engine
     loads it with the full-attention blocks before it and computes only the rest."""
-    a, b = engines(load_mode=load_mode), engines(load_mode=load_mode)
+    a, b = engines(), engines()
     p = prompt(10 * BLOCK_SIZE + 5, seed=1)
     a.add("a1", p)
     a.run()
@@ -208,9 +205,7 @@ def test_a_second_engine_loads_the_state_where_the_shared_prompt_stops(
     assert a.stored("a1", 1) == block_hashes(p)[9:10]  # the state after 10 blocks, only
 
     b.add("b1", p)
-    so = b.step()
-    if load_mode == "sync":
-        assert so.num_scheduled_tokens["b1"] == 5
+    assert b.first_scheduled("b1") == 5
     b.run()  # the forward checks the state it starts from
     assert b.sconn.hit_tokens == 10 * BLOCK_SIZE
     assert b.loaded("b1", 1) == block_hashes(p)[9:10]
@@ -228,8 +223,7 @@ def test_a_prompt_filling_its_last_block_hits_at_the_block_before(engines: Any) 
     a.run()
     assert a.stored("a1", 1) == block_hashes(p)[4:6]  # after 5 blocks (checkpoint) and after 6
     b.add("b1", p, max_tokens=2)
-    so = b.step()
-    assert so.num_scheduled_tokens["b1"] == BLOCK_SIZE
+    assert b.first_scheduled("b1") == BLOCK_SIZE
     b.run()
     assert b.sconn.hit_tokens == 5 * BLOCK_SIZE
     assert b.checked_blocks == {0: 5, 1: 1}
@@ -281,3 +275,34 @@ def test_mamba_without_align_mode_is_refused_in_one_line(model_dir: str, module_
             "keeps no block-aligned mamba state in mamba_cache_mode 'all' (run with "
             "--enable-prefix-caching --mamba-cache-mode align); run this model without kvray"
         )
+
+
+def test_a_lost_state_is_reported_and_recomputed_never_served(engines: Any) -> None:
+    """The state block vanishes between the lookup and the load (evicted, a dead pool): the
+    load reports it to vLLM as failed and vLLM recomputes; every chunk still starts from the
+    right state (the fake forward checks it), and the request finishes."""
+    from kvray.blocks import Fetched
+
+    a, b = engines(), engines()
+    p = prompt(4 * BLOCK_SIZE + 3, seed=5)
+    a.add("a1", p)
+    a.run()
+    state_prefix = b.scheduler.connector.groups[1].key_space.prefix
+    store = b.worker.worker.handler.handlers[1].store
+    real_fetch = store.fetch_from
+
+    def lossy_fetch(keys: Any, *args: Any, **kw: Any) -> Fetched:
+        real = real_fetch(keys, *args, **kw)
+        if keys and bytes(keys[0]).startswith(state_prefix):
+            return Fetched([], "evicted", [], real.shard, real.pools)
+        return real
+
+    store.fetch_from = lossy_fetch
+    try:
+        b.add("b1", p, max_tokens=2)
+        b.run()
+    finally:
+        store.fetch_from = real_fetch
+    assert "b1" not in b.scheduler.requests  # finished
+    assert b.worker.worker.counters().failed_blocks + b.sconn.counters.failed_blocks >= 1
+    assert b.checked_blocks[1] == 0  # no state was ever served

@@ -152,6 +152,16 @@ class KVRayConnector(KVConnectorBase_V1, SupportsHMA):
         #: The key space of the group that decides hits (the one group of most models).
         self.key_space: EngineKeySpace = deciding(self.groups).key_space
         hybrid = len(self.groups) > 1
+        if hybrid and self.config.load_mode != "async":
+            # vLLM takes no failed blocks (invalid_block_ids) from a connector of a model with
+            # several KV cache groups, only failed async loads (failed_recving): a load of a
+            # hybrid model that could fail in the step it runs in could not be recomputed.
+            logger.info(
+                "kvray connector: a hybrid model's loads are async (load_mode=%s asked): vLLM "
+                "recomputes a failed load of several KV cache groups only for an async load",
+                self.config.load_mode,
+            )
+            self.config = self.config.replace(load_mode="async")
         # Only the scheduler answers lookups: it alone subscribes to the index's feed.
         is_scheduler = role == KVConnectorRole.SCHEDULER
         # Checked before joining the cluster, so a refused start leaves nothing open.

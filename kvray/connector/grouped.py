@@ -104,10 +104,13 @@ class GroupedTransfer:
         return sending, recving, failed
 
     def load_errors(self) -> set[int]:
-        errors: set[int] = set()
+        """Always none: block ids are only unique within a group, and vLLM refuses them from a
+        connector of several groups. Loads are async there (the connector makes them so) and a
+        failed one is reported by request (``get_finished``); the handlers' lists are
+        drained."""
         for h in self.handlers.values():
-            errors |= h.load_errors()
-        return errors
+            h.load_errors()
+        return set()
 
     def take_meta(self) -> KVRayWorkerMetadata | None:
         out: KVRayWorkerMetadata | None = None

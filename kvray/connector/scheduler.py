@@ -598,6 +598,21 @@ class KVRayConnectorScheduler:
                     state.num_planned_blocks = min(state.num_planned_blocks, job.first_block)
             elif state is not None:
                 state.load_jobs.discard(job_id)
+                if job.failed and len(self.groups) > 1:
+                    self._on_failed_load(job, state)
+
+    def _on_failed_load(self, job: _Job, state: _RequestState) -> None:
+        """A hybrid model's load some rank could not complete: vLLM got the request as a
+        failed async load (blocks of several groups cannot be named to it) and recomputes it
+        from its start. Its blocks are not offered again for a while (the next lookup would
+        offer the same hit), and what it recomputes is planned to be stored again."""
+        self.quarantine.add(job.block_hashes)
+        first = job.first_block
+        state.num_planned_blocks = min(state.num_planned_blocks, first)
+        for done in state.window_planned.values():
+            done.difference_update(range(first, first + len(job.block_ids)))
+        for g, scanned in state.states_scanned.items():
+            state.states_scanned[g] = min(scanned, first)
 
     def _on_invalid_blocks(self, invalid: set[int]) -> None:
         """Blocks a load failed to fill are recomputed by vLLM: plan to store them again."""
