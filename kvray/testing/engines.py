@@ -120,6 +120,51 @@ def build_tiny_gemma3(
     return _write_random_checkpoint(out, Gemma3ForCausalLM, cfg, seed, "float32")
 
 
+def build_tiny_qwen3_next(
+    path: str | os.PathLike[str],
+    *,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab: int = VOCAB,
+    seed: int = 0,
+) -> str:
+    """A random bfloat16 Qwen3-Next: gated-delta-net (linear attention, a recurrent state per
+    request) and full-attention layers alternating, 4 layers, dense MLPs on the first and
+    third, 4 experts on the others. vLLM keeps the linear layers' state in a Mamba KV cache
+    group; its CPU kernels for them need bfloat16. Idempotent."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    out = Path(path)
+    cfg = Qwen3NextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        mlp_only_layers=[0, 2],
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return _write_random_checkpoint(out, Qwen3NextForCausalLM, cfg, seed, "bfloat16")
+
+
 def make_prompts(
     n: int, prefix_len: int, suffix_len: int, *, seed: int = 0, vocab: int = VOCAB
 ) -> list[list[int]]:
