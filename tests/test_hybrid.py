@@ -492,3 +492,35 @@ def test_a_router_keys_a_hybrid_prompt_by_the_group_that_decides_hits(
     assert store.prefix_by_node(keys)[info.node_id] == 10
     assert store.prefix_by_node(make_keys(window.prefix, hashes))[info.node_id] == 0
     assert store.lookup(make_keys(window.prefix, hashes[7:])) == WINDOW_BLOCKS  # stored, though
+
+
+def test_a_lost_block_of_a_hybrid_hit_is_recomputed_not_an_engine_error(engines: Any) -> None:
+    """A full-attention block vanishes between the lookup and the load. vLLM 0.32 refuses
+    failed block ids from a connector of several KV cache groups (its scheduler raises), so
+    kvray reports the request's async load as failed: vLLM recomputes it, and the retry is not
+    offered the same hit again (it would fail the same way)."""
+    from kvray.blocks import Fetched
+
+    a, b = engines(), engines()
+    p = prompt(5 * BLOCK_SIZE + 3, seed=40)
+    a.add("a1", p)
+    a.run()
+    full_prefix = b.scheduler.connector.groups[0].key_space.prefix
+    store = b.worker.worker.handler.handlers[0].store
+    real_fetch = store.fetch_from
+
+    def lossy_fetch(keys: Any, *args: Any, **kw: Any) -> Fetched:
+        real = real_fetch(keys, *args, **kw)
+        if keys and bytes(keys[0]).startswith(full_prefix):
+            return Fetched(real.keys[:2], "evicted", real.reads[:2], real.shard, real.pools)
+        return real
+
+    store.fetch_from = lossy_fetch
+    try:
+        b.add("b1", p, max_tokens=2)
+        b.run()
+    finally:
+        store.fetch_from = real_fetch
+    assert "b1" not in b.scheduler.requests  # finished
+    assert b.worker.worker.counters().failed_blocks + b.sconn.counters.failed_blocks >= 3
+    assert len(b.sconn.quarantine) >= 5  # the failed load's blocks, not offered again
