@@ -306,3 +306,33 @@ def test_a_lost_state_is_reported_and_recomputed_never_served(engines: Any) -> N
     assert "b1" not in b.scheduler.requests  # finished
     assert b.worker.worker.counters().failed_blocks + b.sconn.counters.failed_blocks >= 1
     assert b.checked_blocks[1] == 0  # no state was ever served
+
+
+def test_a_state_key_space_keeps_the_tp_size_and_every_rank_writes_its_state() -> None:
+    """A rank's Mamba state is no canonical head range: keys carry the TP size (engines of
+    other TP sizes never read it) and every rank stores its own part."""
+    from kvray.connector.keyspace import key_space
+
+    def space(tp: int) -> Any:
+        return key_space(
+            model="m@",
+            kv_dtype="state/auto/auto",
+            block_size=BLOCK_SIZE,
+            hash_algo="sha256",
+            device="cpu",
+            layout_tags=["MambaSpec"],
+            total_heads=tp,
+            rank_heads=1,
+            head_size=STATE_BYTES,
+            num_layers=2,
+            page_nbytes=STATE_BYTES,
+            tp_size=tp,
+            tp_bound=True,
+        )
+
+    spaces = {tp: space(tp) for tp in (1, 2, 4)}
+    assert len({ks.base.prefix for ks in spaces.values()}) == 3
+    for tp, ks in spaces.items():
+        assert not ks.cross_tp and ks.num_shards == tp and ks.groupings == (tp,)
+        assert all(ks.writes(r) and ks.shard_of(r) == r for r in range(tp))
+        assert ks.block_nbytes == 2 * STATE_BYTES
