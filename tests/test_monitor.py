@@ -424,7 +424,14 @@ def test_chromium_shows_kvray_in_the_dashboard_and_a_prometheus_graph(
             graph, shots / "prometheus-graph.png", lambda t: all(x in t for x in legend)
         )
         assert f"Total time series: {len(traffic.nodes)}" in text
-        # The same figure, summed, as a value in the console tab.
+        # The same figure, summed, as a value in the console tab. That page also queries once,
+        # when it opens: wait until Prometheus's last scrape of every pool sums to it (it once
+        # showed another value for the whole 60 s on a slow box).
+        _wait(
+            "Prometheus sums every pool's bytes",
+            lambda: _value(prometheus.url, total) == N_BLOCKS * BLOCK,
+            show=lambda: str(_query(prometheus.url, series)),
+        )
         text = browser.capture(
             console,
             shots / "prometheus-console.png",
