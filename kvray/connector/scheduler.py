@@ -157,7 +157,8 @@ class KVRayConnectorScheduler:
         self._full = [g for g in groups if not g.windowed]
         #: Groups a hit needs only the last blocks of (sliding windows, states).
         self._windows = [g for g in groups if g.windowed]
-        self._states = [g for g in groups if g.is_state]
+        self._sliding = [g for g in self._windows if not g.is_state]
+        self._states = [g for g in self._windows if g.is_state]
         self.block_size = key_space.block_size
         self.world_size = world_size
         #: A store job never has more blocks than a worker's staging pool holds.
@@ -380,7 +381,7 @@ class KVRayConnectorScheduler:
         if upto_blocks > state.num_planned_blocks and not self._worth_storing(state, upto_blocks):
             return False
         upto_blocks = self._sighted(state, upto_blocks)
-        planned = self._plan_windows(state, upto_blocks, finish) if self._windows else False
+        planned = self._plan_windows(state, upto_blocks, finish) if self._sliding else False
         planned |= self._plan_states(state, upto_blocks, finish) if self._states else False
         first = state.num_planned_blocks
         if upto_blocks <= first:
@@ -440,9 +441,7 @@ class KVRayConnectorScheduler:
             return False
         state.anchors.difference_update(reached)
         planned = False
-        for group in self._windows:
-            if group.is_state:
-                continue
+        for group in self._sliding:
             want = sorted({i for n in reached for i in group.window_blocks(n)})
             planned |= self._plan_group(state, group, want, finish)
         return planned
