@@ -9,12 +9,13 @@ layer of every group, so every loaded block is checked against what was stored, 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -203,6 +204,9 @@ class Hybrid:
         ]
 
 
+H = TypeVar("H", bound=Hybrid)
+
+
 def hybrid_config(model_dir: str, namespace: str, **extra: Any) -> tuple[Any, Any]:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -230,14 +234,17 @@ def hybrid_config(model_dir: str, namespace: str, **extra: Any) -> tuple[Any, An
     return vllm_config, kv_cache_config
 
 
-def make_engine(model_dir: str, namespace: str, **extra: Any) -> Hybrid:
+def start_engine(
+    cls: type[H], vllm_config: Any, kv_cache_config: Any, kv: dict[str, torch.Tensor]
+) -> H:
+    """vLLM's Scheduler with its scheduler-role connector, and a worker-role connector
+    registered on ``kv``, as an engine of class ``cls``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvray.connector import KVRayConnector
 
-    vllm_config, kv_cache_config = hybrid_config(model_dir, namespace, **extra)
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -245,9 +252,13 @@ def make_engine(model_dir: str, namespace: str, **extra: Any) -> Hybrid:
         block_size=BLOCK_SIZE,
         log_stats=True,
     )
-    assert not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-    assert len(scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups) == 2
     worker = KVRayConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    worker.register_kv_caches(kv)
+    return cls(scheduler=scheduler, worker=worker, kv=kv)
+
+
+def make_engine(model_dir: str, namespace: str, **extra: Any) -> Hybrid:
+    vllm_config, kv_cache_config = hybrid_config(model_dir, namespace, **extra)
     # vLLM's hybrid layout: one tensor per layer pair, shared by a layer of each group.
     backing = torch.zeros(2, 96, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     kv = {
@@ -256,8 +267,10 @@ def make_engine(model_dir: str, namespace: str, **extra: Any) -> Hybrid:
         FULL_LAYERS[1]: backing[1],
         SWA_LAYERS[1]: backing[1],
     }
-    worker.register_kv_caches(kv)
-    return Hybrid(scheduler=scheduler, worker=worker, kv=kv)
+    e = start_engine(Hybrid, vllm_config, kv_cache_config, kv)
+    assert not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    assert len(e.scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups) == 2
+    return e
 
 
 def block_hashes(tokens: list[int]) -> list[bytes]:
@@ -282,15 +295,16 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 250) for _ in range(n)]
 
 
-@pytest.fixture
-def engines(model_dir: str, module_ns: str) -> Iterator[Callable[..., Hybrid]]:
-    """Engines of one test: they share a key space (``cache_salt``) no other test's use, in
-    the module's namespace."""
-    made: list[Hybrid] = []
+def engine_factory(
+    make_engine: Callable[..., H], model_dir: str, namespace: str
+) -> Iterator[Callable[..., H]]:
+    """The body of an ``engines`` fixture: engines of one test share a key space
+    (``cache_salt``) no other test's use, in the module's namespace; all are shut down after."""
+    made: list[H] = []
     salt = uuid.uuid4().hex
 
-    def make(**extra: Any) -> Hybrid:
-        e = make_engine(model_dir, module_ns, **{"cache_salt": salt, **extra})
+    def make(**extra: Any) -> H:
+        e = make_engine(model_dir, namespace, **{"cache_salt": salt, **extra})
         made.append(e)
         return e
 
@@ -298,6 +312,34 @@ def engines(model_dir: str, module_ns: str) -> Iterator[Callable[..., Hybrid]]:
     for e in made:
         e.worker.shutdown()
         e.scheduler.connector.shutdown()
+
+
+@contextlib.contextmanager
+def losing(engine: Hybrid, group: int, keep: int) -> Iterator[None]:
+    """Loads of ``group`` on ``engine`` read only their first ``keep`` blocks, as if the rest
+    vanished between the lookup and the load (evicted, a dead pool)."""
+    from kvray.blocks import Fetched
+
+    prefix = engine.scheduler.connector.groups[group].key_space.prefix
+    store = engine.worker.worker.handler.handlers[group].store
+    real_fetch = store.fetch_from
+
+    def lossy_fetch(keys: Any, *args: Any, **kw: Any) -> Fetched:
+        real = real_fetch(keys, *args, **kw)
+        if keys and bytes(keys[0]).startswith(prefix):
+            return Fetched(real.keys[:keep], "evicted", real.reads[:keep], real.shard, real.pools)
+        return real
+
+    store.fetch_from = lossy_fetch
+    try:
+        yield
+    finally:
+        store.fetch_from = real_fetch
+
+
+@pytest.fixture
+def engines(model_dir: str, module_ns: str) -> Iterator[Callable[..., Hybrid]]:
+    yield from engine_factory(make_engine, model_dir, module_ns)
 
 
 def test_hybrid_is_a_supports_hma_connector_with_a_key_space_per_group(engines: Any) -> None:
@@ -499,28 +541,13 @@ def test_a_lost_block_of_a_hybrid_hit_is_recomputed_not_an_engine_error(engines:
     failed block ids from a connector of several KV cache groups (its scheduler raises), so
     kvray reports the request's async load as failed: vLLM recomputes it, and the retry is not
     offered the same hit again (it would fail the same way)."""
-    from kvray.blocks import Fetched
-
     a, b = engines(), engines()
     p = prompt(5 * BLOCK_SIZE + 3, seed=40)
     a.add("a1", p)
     a.run()
-    full_prefix = b.scheduler.connector.groups[0].key_space.prefix
-    store = b.worker.worker.handler.handlers[0].store
-    real_fetch = store.fetch_from
-
-    def lossy_fetch(keys: Any, *args: Any, **kw: Any) -> Fetched:
-        real = real_fetch(keys, *args, **kw)
-        if keys and bytes(keys[0]).startswith(full_prefix):
-            return Fetched(real.keys[:2], "evicted", real.reads[:2], real.shard, real.pools)
-        return real
-
-    store.fetch_from = lossy_fetch
-    try:
+    with losing(b, group=0, keep=2):
         b.add("b1", p, max_tokens=2)
         b.run()
-    finally:
-        store.fetch_from = real_fetch
     assert "b1" not in b.scheduler.requests  # finished
     assert b.worker.worker.counters().failed_blocks + b.sconn.counters.failed_blocks >= 3
     assert len(b.sconn.quarantine) >= 5  # the failed load's blocks, not offered again

@@ -12,7 +12,6 @@ state of exactly the tokens before it: what a real Mamba layer would read.
 
 from __future__ import annotations
 
-import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,7 +22,15 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from test_hybrid import Hybrid, block_hashes, expected_value, prompt
+from test_hybrid import (
+    Hybrid,
+    block_hashes,
+    engine_factory,
+    expected_value,
+    losing,
+    prompt,
+    start_engine,
+)
 
 from kvray.testing.engines import BLOCK_SIZE, build_tiny_llama, scheduler_vllm_config
 
@@ -131,22 +138,7 @@ def mamba_config(model_dir: str, namespace: str, mode: str = "align", **extra: A
 
 
 def make_engine(model_dir: str, namespace: str, **extra: Any) -> MambaEngine:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from kvray.connector import KVRayConnector
-
     vllm_config, kv_cache_config = mamba_config(model_dir, namespace, **extra)
-    scheduler = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-    )
-    assert scheduler.need_mamba_block_aligned_split
-    worker = KVRayConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     attn = torch.zeros(2, NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     # vLLM 0.32's view of a Mamba layer: [B, H=1, N=1, state bytes] int8, one padded page apart.
     pages = torch.zeros(2, NUM_BLOCKS, PAGE, dtype=torch.int8)
@@ -157,8 +149,9 @@ def make_engine(model_dir: str, namespace: str, **extra: Any) -> MambaEngine:
         MAMBA_LAYERS[1]: pages[1, :, :STATE_BYTES].view(NUM_BLOCKS, 1, 1, STATE_BYTES),
     }
     assert kv[MAMBA_LAYERS[0]].stride(0) == PAGE
-    worker.register_kv_caches(kv)
-    return MambaEngine(scheduler=scheduler, worker=worker, kv=kv)
+    e = start_engine(MambaEngine, vllm_config, kv_cache_config, kv)
+    assert e.scheduler.need_mamba_block_aligned_split
+    return e
 
 
 @pytest.fixture(scope="module")
@@ -170,18 +163,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def engines(model_dir: str, module_ns: str) -> Iterator[Callable[..., MambaEngine]]:
-    made: list[MambaEngine] = []
-    salt = uuid.uuid4().hex
-
-    def make(**extra: Any) -> MambaEngine:
-        e = make_engine(model_dir, module_ns, **{"cache_salt": salt, **extra})
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.worker.shutdown()
-        e.scheduler.connector.shutdown()
+    yield from engine_factory(make_engine, model_dir, module_ns)
 
 
 def test_a_mamba_group_has_its_own_key_space_tied_to_the_tp_size(engines: Any) -> None:
@@ -281,28 +263,13 @@ def test_a_lost_state_is_reported_and_recomputed_never_served(engines: Any) -> N
     """The state block vanishes between the lookup and the load (evicted, a dead pool): the
     load reports it to vLLM as failed and vLLM recomputes; every chunk still starts from the
     right state (the fake forward checks it), and the request finishes."""
-    from kvray.blocks import Fetched
-
     a, b = engines(), engines()
     p = prompt(4 * BLOCK_SIZE + 3, seed=5)
     a.add("a1", p)
     a.run()
-    state_prefix = b.scheduler.connector.groups[1].key_space.prefix
-    store = b.worker.worker.handler.handlers[1].store
-    real_fetch = store.fetch_from
-
-    def lossy_fetch(keys: Any, *args: Any, **kw: Any) -> Fetched:
-        real = real_fetch(keys, *args, **kw)
-        if keys and bytes(keys[0]).startswith(state_prefix):
-            return Fetched([], "evicted", [], real.shard, real.pools)
-        return real
-
-    store.fetch_from = lossy_fetch
-    try:
+    with losing(b, group=1, keep=0):
         b.add("b1", p, max_tokens=2)
         b.run()
-    finally:
-        store.fetch_from = real_fetch
     assert "b1" not in b.scheduler.requests  # finished
     assert b.worker.worker.counters().failed_blocks + b.sconn.counters.failed_blocks >= 1
     assert b.checked_blocks[1] == 0  # no state was ever served
