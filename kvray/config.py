@@ -250,7 +250,10 @@ class KVRayConfig:
     #: too (a doorkeeper: a prefix computed once is not stored, computed again it is); what a
     #: request decodes is stored when a later prompt holds it. Off: every computed block is
     #: stored. For loads where most prompts' tails are never seen again (issue 32).
-    store_seen_only: bool = False
+    #: ``"auto"``: a prompt's first sightings are stored too while that pays by what the
+    #: engine measures (the share of first sightings needed again beyond vLLM's cache times
+    #: their recompute, against a load of them; :mod:`kvray.connector.sightings`).
+    store_seen_only: bool | str = False
     #: Connector: bytes of reusable staging buffers per worker for saves and loads.
     staging_bytes: int = 256 << 20
     #: Connector: blocks a request fills while it decodes are stored once this many are full
@@ -315,10 +318,12 @@ class KVRayConfig:
             "auto_start",
             "engine_tier",
             "price_loads",
-            "store_seen_only",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "expected true or false")
+        v = self.store_seen_only
+        if not (isinstance(v, bool) or v == "auto"):
+            raise ConfigError("store_seen_only", v, 'expected true, false or "auto"')
         if self.load_mode not in _LOAD_MODES:
             raise ConfigError("load_mode", self.load_mode, f"choose one of {_LOAD_MODES}")
         if self.model_id is not None and not isinstance(self.model_id, str):
@@ -380,6 +385,10 @@ class KVRayConfig:
         return {name: getattr(self, name) for name in self.field_names()}
 
 
+#: Switches that also take ``"auto"`` (decided by what the engine measures).
+_AUTO_FIELDS = frozenset({"store_seen_only"})
+
+
 def _coerce(cls: type[KVRayConfig], name: str, value: Any) -> Any:
     """Turn CLI/JSON strings into the field's type; anything odd is left for validation."""
     if not isinstance(value, str):
@@ -391,6 +400,8 @@ def _coerce(cls: type[KVRayConfig], name: str, value: Any) -> Any:
             return True
         if low in ("0", "false", "no", "off"):
             return False
+        if low == "auto" and name in _AUTO_FIELDS:
+            return "auto"
         raise ConfigError(name, value, "expected true or false")
     if isinstance(default, float):
         try:

@@ -280,3 +280,79 @@ def test_sightings_are_bounded_and_count_only_earlier_prompts() -> None:
         s.sight([f"o{i}".encode()])
         assert len(s) <= 2 * 8
     assert s.sight(a) == 0  # forgotten: stored again only at its next sighting
+
+
+def test_sightings_measure_how_much_of_what_is_first_seen_is_needed_again() -> None:
+    """``reuse``: of the blocks prompts held for the first time, the share a later prompt
+    needed again beyond vLLM's own cache, each block counted once; unknown until
+    ``min_blocks`` were counted; older evidence halves every ``half_blocks``."""
+    from kvray.connector.sightings import Sightings
+
+    s = Sightings(min_blocks=8, half_blocks=1000)
+    a = [b"a0", b"a1", b"a2", b"a3"]
+    b = [b"b0", b"b1", b"b2", b"b3"]
+    assert s.sight(a) == 0 and s.reuse is None  # 4 first sightings: not enough yet
+    assert s.sight(b) == 0 and s.reuse == 0.0  # 8, none needed again
+    assert s.sight(a, local_blocks=4) == 4 and s.reuse == 0.0  # vLLM's cache held all of a
+    assert s.sight(a, local_blocks=1) == 4 and s.reuse == 3 / 8  # a1-a3 beyond it
+    assert s.sight(a) == 4 and s.reuse == 4 / 8  # now a0 too
+    assert s.sight(a) == 4 and s.reuse == 4 / 8  # each block counted once
+    assert s.sight([*a[:2], b"c2", b"c3"]) == 2 and s.reuse == 4 / 10  # a new tail
+    assert (s.first_blocks, s.returned_blocks) == (10, 4)
+
+    d = Sightings(min_blocks=1, half_blocks=4)  # old evidence fades
+    d.sight(a)
+    d.sight(a)  # all 4 came back
+    assert d.reuse == 1.0
+    for i in range(6):  # one-off prompts: the share falls towards 0
+        d.sight([f"o{i}{j}".encode() for j in range(4)])
+    assert d.reuse is not None and d.reuse < 0.1
+
+
+def test_auto_doorkeeper_stores_first_sightings_only_while_they_pay(harness_factory: Any) -> None:
+    """``store_seen_only="auto"``: stored as before while nothing is measured; once this
+    engine's prefill and local loads are measured and few first sightings come back, a new
+    prompt's blocks are not stored (counted) and its second computation stores them; once
+    most first sightings come back, a new prompt is stored at its first computation again."""
+    h = harness_factory(load_mode="sync", store_seen_only="auto")
+    sc = h.sconn
+    sc.sightings.min_blocks = 8
+    _warm_up(h)  # cold: the warm-up prompts are stored at their first sighting
+    assert sc.counters.stored_blocks > 0 and sc.sightings.skipped_blocks == 0
+    assert sc.sightings.reuse == 0.0
+    per = sc.pricing.costs.prefill_s_per_token
+    assert per is not None
+    assert sc.pricing.store_s_per_token.value(time.monotonic()) is not None  # puts timed
+    now = time.monotonic()
+    for i in range(4):  # this node's pool, measured: a load costs a quarter of a recompute
+        tokens = (2 + i) * BLOCK_SIZE
+        sc.pricing.engine.observe_load("local", tokens, 0.25 * per * tokens, now, n=1000)
+    sc.pricing.stores_done(0.25 * per * 1000 * BLOCK_SIZE, 1000)  # and so does a store
+    sc.pricing.refresh_soon()
+    h.step()
+    assert sc.pricing.costs.load("local") is not None
+
+    def computed(p: list[int]) -> int:
+        """Computes ``p`` (vLLM's cache emptied after): the blocks kvray then holds."""
+        req = h.add(p)
+        h.run()
+        h.settle()
+        return sc._find_hit([bytes(x) for x in req.block_hashes])[0]
+
+    p = prompt(6 * BLOCK_SIZE + 4, seed=41)
+    stored = sc.counters.stored_blocks
+    assert computed(p) == 0  # nothing first seen comes back: not stored
+    assert sc.sightings.skipped_blocks == 6 and sc.counters.stored_blocks == stored
+    assert computed(p) == 6  # computed again: stored, as ``store_seen_only`` does
+
+    sc.sightings.half_blocks = 6  # the evidence of the next prompts weighs most
+    for seed in (42, 43, 44):  # prompts that come back beyond vLLM's cache
+        q = prompt(6 * BLOCK_SIZE + 4, seed=seed)
+        computed(q)
+        assert computed(q) == 6
+    reuse = sc.sightings.reuse
+    assert reuse is not None and reuse > 0.5, reuse
+    skipped = sc.sightings.skipped_blocks
+    assert computed(prompt(6 * BLOCK_SIZE + 4, seed=45)) == 6  # stored at its first sighting
+    assert sc.sightings.skipped_blocks == skipped
+    tcs.assert_scheduler_empty(h)

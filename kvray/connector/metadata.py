@@ -106,6 +106,10 @@ class TransferCounters:
     refused_blocks: int = 0
     dropped_blocks: int = 0
     stored_bytes: int = 0
+    #: Seconds from a store piece's gather to its pool's acknowledgement, and the blocks of
+    #: those pieces (what a store costs here, for ``store_seen_only="auto"``).
+    store_seconds: float = 0.0
+    store_timed_blocks: int = 0
 
     def add(self, other: TransferCounters) -> TransferCounters:
         return TransferCounters(

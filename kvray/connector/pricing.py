@@ -10,7 +10,9 @@ Fed only from what vLLM and kvray already report, no extra forward pass and no R
 - **loads**: each output's ``load_seconds`` (summed over ranks: divided by the world size)
   for the load jobs it completed, with the tier each came from (the pool on this engine's
   node, or another) and its tokens, as planned;
-- **queue**: the prompt tokens not computed yet of every request the connector tracks.
+- **queue**: the prompt tokens not computed yet of every request the connector tracks;
+- **stores**: the seconds from each store piece's gather to its pool's acknowledgement, per
+  token (a decayed mean weighted by blocks; never published).
 
 From them :meth:`Pricing.tokens_to_load` says how much of a hit pays to load, and
 :attr:`Pricing.published` is what the engine tier's heartbeat carries to routers. Until the
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvray.meta.costs import Costs, EngineCosts, tokens_to_load
+from kvray.meta.costs import Costs, Decayed, EngineCosts, tokens_to_load
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -64,6 +66,8 @@ class Pricing:
         self.clock = clock
         self.engine = EngineCosts()
         self.costs = Costs()
+        #: Seconds a store takes per token, gather to acknowledgement.
+        self.store_s_per_token = Decayed()
         #: What the engine tier publishes (:meth:`Costs.to_wire`; empty until warm).
         self.published: tuple[float, ...] = ()
         self._prev: tuple[float, int, int, frozenset[str]] | None = None
@@ -173,6 +177,35 @@ class Pricing:
         if not self.warm or tokens <= 0 or self.costs.load("local") is None:
             return True
         return tokens_to_load([("local", tokens)], self.costs) > 0
+
+    def stores_done(self, seconds: float, blocks: int) -> None:
+        """Store pieces of ``blocks`` blocks in all took ``seconds`` (summed) to be owned."""
+        if blocks > 0 and seconds > 0:
+            per = seconds / (blocks * self.block_size)
+            self.store_s_per_token.observe(per, self.clock(), weight=float(blocks))
+
+    def first_sightings_pay(self, reuse: float | None, tokens: int) -> bool:
+        """``store_seen_only="auto"``: whether storing ``tokens`` a prompt holds for the
+        first time pays, when a share ``reuse`` of such tokens is needed again beyond vLLM's
+        own cache (:attr:`~kvray.connector.sightings.Sightings.reuse`).
+
+        Stored now, every such token costs a store ``S`` and each one that comes back loads
+        (``L``); not stored, the ones that come back are recomputed (``R``) and stored at
+        that second sighting, and load after. So storing pays iff ``S x (1 - reuse) < reuse
+        x (R - L)``, each priced by this engine's measurements at this size: ``S`` the store
+        figure, ``L`` the local load line (either stands for the other while only one is
+        measured: the same bytes cross the same path), ``R`` the prefill. Stored while the
+        reuse, the prefill or both ``S`` and ``L`` are unmeasured (the doorkeeper closes only
+        on evidence)."""
+        now = self.clock()
+        per = self.costs.prefill_s_per_token
+        line = self.costs.load("local")
+        store = self.store_s_per_token.value(now)
+        if reuse is None or per is None or tokens <= 0 or (line is None and store is None):
+            return True
+        load_s = line.seconds(tokens) if line is not None else tokens * (store or 0.0)
+        store_s = tokens * store if store is not None else load_s
+        return store_s * (1.0 - reuse) < reuse * (tokens * per - load_s)
 
     def declined(self, tokens: int) -> None:
         """A hit (or its tail) of ``tokens`` left to vLLM to compute."""

@@ -47,8 +47,11 @@ class Outbox:
         with self.lock:
             self.finished_sending.add(req_id)
 
-    def count_put(self, n: int, result: PutResult | None, block_nbytes: int) -> None:
-        """One put of ``n`` blocks ended (``None``: it failed)."""
+    def count_put(
+        self, n: int, result: PutResult | None, block_nbytes: int, seconds: float = 0.0
+    ) -> None:
+        """One put of ``n`` blocks ended (``None``: it failed) ``seconds`` after its gather
+        began."""
         with self.lock:
             c = self.meta.counters
             if result is None:
@@ -58,6 +61,8 @@ class Outbox:
             c.duplicate_blocks += result.duplicate
             c.refused_blocks += result.refused
             c.stored_bytes += result.stored * block_nbytes
+            c.store_seconds += seconds
+            c.store_timed_blocks += n
 
     def dropped(self, n: int) -> None:
         with self.lock:
@@ -184,6 +189,7 @@ class StorePath:
         self.puts.track(job_id, spec, futures, ok=ok)
 
     def _put_piece(self, spec: StoreSpec, a: int, b: int) -> Future[PutResult] | None:
+        t0 = time.perf_counter()
         lease = self.copier.lease(b - a)
         try:
             # Staging rows still held by puts in flight: a buffer of the piece's own, not a
@@ -204,10 +210,12 @@ class StorePath:
             if lease is not None:
                 lease.release()
             return None
-        fut.add_done_callback(lambda f: self._put_done(b - a, f, lease))
+        fut.add_done_callback(lambda f: self._put_done(b - a, f, lease, t0))
         return fut
 
-    def _put_done(self, n: int, fut: Future[PutResult], lease: StagingLease | None) -> None:
+    def _put_done(
+        self, n: int, fut: Future[PutResult], lease: StagingLease | None, t0: float
+    ) -> None:
         if lease is not None:
             lease.release()  # the staging rows are reusable once Ray owns a copy
         try:
@@ -215,4 +223,4 @@ class StorePath:
         except Exception as e:
             logger.warning("kvray: a put of %d blocks failed: %s", n, e)
             result = None
-        self.outbox.count_put(n, result, self.block_nbytes)
+        self.outbox.count_put(n, result, self.block_nbytes, time.perf_counter() - t0)

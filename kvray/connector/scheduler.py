@@ -111,6 +111,8 @@ class _RequestState:
     #: (the only ones stored), once its prompt was sighted.
     sighted_blocks: int = -1
     unseen_skipped: int = 0
+    #: With ``store_seen_only="auto"``: its first sightings are stored too (they pay).
+    store_first: bool = False
 
 
 @dataclass
@@ -186,8 +188,11 @@ class KVRayConnectorScheduler:
         self.lookups = 0
         #: Hits are cut to what pays to load (config ``price_loads``); else all loaded.
         self.price_loads = config.price_loads
-        #: Blocks are stored only once an earlier prompt had them (config ``store_seen_only``).
+        #: Blocks are stored only once an earlier prompt had them (config ``store_seen_only``;
+        #: ``auto``: unless a first sighting's store pays, by
+        #: :meth:`~kvray.connector.pricing.Pricing.first_sightings_pay`).
         self.sightings = Sightings() if config.store_seen_only else None
+        self.seen_only_auto = config.store_seen_only == "auto"
         #: The engine's measured costs (issue 32), published for routers either way.
         self.pricing = Pricing(
             self.block_size,
@@ -218,9 +223,15 @@ class KVRayConnectorScheduler:
         if state is None:
             state = self._reqs[request.request_id] = _RequestState(request)
         state.num_local_tokens = num_computed_tokens
-        if self.sightings is not None and state.sighted_blocks < 0:
-            state.sighted_blocks = self.sightings.sight(request.block_hashes)
         bs = self.block_size
+        if self.sightings is not None and state.sighted_blocks < 0:
+            state.sighted_blocks = self.sightings.sight(
+                request.block_hashes, num_computed_tokens // bs
+            )
+            if self.seen_only_auto:
+                first = len(request.block_hashes) - state.sighted_blocks
+                reuse = self.sightings.reuse
+                state.store_first = self.pricing.first_sightings_pay(reuse, first * bs)
         max_blocks = min(len(request.block_hashes), request.num_tokens // bs)
         start = num_computed_tokens // bs
         if max_blocks <= start:
@@ -420,13 +431,18 @@ class KVRayConnectorScheduler:
     def _sighted(self, state: _RequestState, upto_blocks: int) -> int:
         """With ``store_seen_only``, the blocks below ``upto_blocks`` an earlier prompt on this
         engine had too (all of them for a prefill's blocks a remote decode loads)."""
-        if self.sightings is None or wants_handoff(state.request.kv_transfer_params):
+        if (
+            self.sightings is None
+            or state.store_first
+            or wants_handoff(state.request.kv_transfer_params)
+        ):
             return upto_blocks
         keep = min(upto_blocks, max(state.sighted_blocks, state.num_planned_blocks))
         more = upto_blocks - keep - state.unseen_skipped
         if more > 0:
             state.unseen_skipped += more
             self.sightings.skipped_blocks += more
+            self.store.count(unseen_skipped=more)
         return keep
 
     def _plan_windows(self, state: _RequestState, upto_blocks: int, finish: bool) -> bool:
@@ -572,6 +588,7 @@ class KVRayConnectorScheduler:
             return
         self.counters = self.counters.add(meta.counters)
         self.pricing.loads_done(meta.counters.load_seconds, meta.completed_jobs)
+        self.pricing.stores_done(meta.counters.store_seconds, meta.counters.store_timed_blocks)
         for job_id, n in meta.completed_jobs.items():
             job = self._jobs.get(job_id)
             if job is None:

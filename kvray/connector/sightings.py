@@ -1,4 +1,5 @@
-"""Which blocks this engine's earlier prompts had (config ``store_seen_only``, issue 32).
+"""Which blocks this engine's earlier prompts had, and how often a block computed for the
+first time is needed again (config ``store_seen_only``, issue 32).
 
 A doorkeeper for stores: a block is stored only once a prompt holds it that an earlier prompt
 on this engine held too. A prefix computed once (a one-off prompt's tail, a long document
@@ -6,6 +7,11 @@ never asked about again) costs nothing in kvray; computed a second time (vLLM's 
 longer held it), it is stored and the third time is loaded. Two generations of Python's hashes
 of the block hashes, each at most ``limit`` plus one prompt's blocks: bounded, and a hash
 collision only stores a block one sighting early.
+
+With ``store_seen_only="auto"`` the doorkeeper is priced: :attr:`Sightings.reuse` is the
+share of the blocks prompts held for the first time that a later prompt needed again beyond
+what vLLM's own cache had (each block counted once; a decayed ratio of counts), measured the
+same whether first sightings are stored or not, so the choice never blinds its own evidence.
 """
 
 from __future__ import annotations
@@ -16,30 +22,86 @@ __all__ = ["Sightings"]
 
 #: Block hashes remembered per generation (two generations: 2-4 MB of sets at most).
 LIMIT = 1 << 16
+#: The reuse ratio's counts halve each time this many first sightings were added.
+HALF_BLOCKS = 4096
+#: First sightings counted before :attr:`Sightings.reuse` is known.
+MIN_BLOCKS = 64
+
+
+class _Generations:
+    """A set of hashes in two generations of at most ``limit`` each (bounded)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.now: set[int] = set()
+        self.before: set[int] = set()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.now or key in self.before
+
+    def add_all(self, keys: Sequence[int]) -> None:
+        self.now.update(keys)
+        if len(self.now) >= self.limit:
+            self.before, self.now = self.now, set()
+
+    def __len__(self) -> int:
+        return len(self.now) + len(self.before)
 
 
 class Sightings:
     """The block hashes of the prompts this engine saw lately. One thread (the scheduler's)."""
 
-    def __init__(self, limit: int = LIMIT) -> None:
+    def __init__(
+        self, limit: int = LIMIT, *, half_blocks: int = HALF_BLOCKS, min_blocks: int = MIN_BLOCKS
+    ) -> None:
         self.limit = max(1, limit)
-        self._now: set[int] = set()
-        self._before: set[int] = set()
+        self.min_blocks = min_blocks
+        self._seen = _Generations(self.limit)
+        self._returned = _Generations(self.limit)
+        self.half_blocks = max(1, half_blocks)
+        self._first = 0.0  # decayed: blocks held by a prompt for the first time
+        self._returns = 0.0  # decayed: of them, needed again beyond vLLM's cache
+        self._since_halved = 0
         #: Blocks not stored because no earlier prompt had them (each counted once).
         self.skipped_blocks = 0
+        #: Totals (not decayed): first sightings, and returns of them beyond vLLM's cache.
+        self.first_blocks = 0
+        self.returned_blocks = 0
 
-    def sight(self, block_hashes: Sequence[object]) -> int:
-        """How many leading blocks of a prompt an earlier prompt had; then remembers them."""
+    def sight(self, block_hashes: Sequence[object], local_blocks: int = 0) -> int:
+        """How many leading blocks of a prompt an earlier prompt had; then remembers them.
+        ``local_blocks``: the leading blocks vLLM's own cache holds for it (those are not
+        needed from kvray, so they do not count as a return)."""
         keys = [hash(h) for h in block_hashes]
+        seen = self._seen
         n = 0
         for k in keys:
-            if k not in self._now and k not in self._before:
+            if k not in seen:
                 break
             n += 1
-        self._now.update(keys)
-        if len(self._now) >= self.limit:
-            self._before, self._now = self._now, set()
+        back = [k for k in keys[max(0, local_blocks) : n] if k not in self._returned]
+        first = sum(1 for k in keys[n:] if k not in seen)
+        if back:
+            self._returned.add_all(back)
+        seen.add_all(keys)
+        self.first_blocks += first
+        self.returned_blocks += len(back)
+        self._first += first
+        self._returns += len(back)
+        self._since_halved += first
+        if self._since_halved >= self.half_blocks:
+            self._since_halved = 0
+            self._first /= 2
+            self._returns /= 2
         return n
 
+    @property
+    def reuse(self) -> float | None:
+        """Of the blocks prompts held for the first time lately, the share a later prompt
+        needed again beyond vLLM's own cache (None: fewer than ``min_blocks`` counted)."""
+        if self.first_blocks < self.min_blocks or self._first <= 0:
+            return None
+        return min(1.0, self._returns / self._first)
+
     def __len__(self) -> int:
-        return len(self._now) + len(self._before)
+        return len(self._seen)

@@ -57,6 +57,10 @@ _CLIENT_COUNTERS = {
         "kvray_saves_declined",
         "Requests whose blocks the connector did not store: a later hit would not be loaded",
     ),
+    "unseen_skipped": (
+        "kvray_unseen_blocks_skipped",
+        "Blocks not stored because no earlier prompt on the engine had them (store_seen_only)",
+    ),
     "refused_no_room": (
         "kvray_puts_refused_no_room",
         "Blocks a put refused: this node's object store and its disk had no room for them",
@@ -141,6 +145,7 @@ class ClientTally:
         self.loads_declined = 0
         self.tokens_declined = 0
         self.saves_declined = 0
+        self.unseen_skipped = 0
         self.refused_no_room = 0
         self.load_latencies: list[float] = []
         self.store_latencies: list[float] = []
