@@ -284,14 +284,22 @@ def test_sightings_are_bounded_and_count_only_earlier_prompts() -> None:
 
 def test_sightings_measure_how_much_of_what_is_first_seen_is_needed_again() -> None:
     """``reuse``: of the blocks prompts held for the first time, the share a later prompt
-    needed again beyond vLLM's own cache, each block counted once; unknown until
-    ``min_blocks`` were counted; older evidence halves every ``half_blocks``."""
+    needed again beyond vLLM's own cache, each block counted once, from a prior of
+    ``prior_blocks`` that all came back; older evidence halves every ``half_blocks``."""
     from kvray.connector.sightings import Sightings
 
-    s = Sightings(min_blocks=8, half_blocks=1000)
     a = [b"a0", b"a1", b"a2", b"a3"]
     b = [b"b0", b"b1", b"b2", b"b3"]
-    assert s.sight(a) == 0 and s.reuse is None  # 4 first sightings: not enough yet
+    p = Sightings(prior_blocks=4)
+    assert p.reuse == 1.0  # nothing measured: taken as coming back (stores are made)
+    p.sight(a)
+    assert p.reuse == 4 / 8  # 4 first sightings, none back yet, against the prior
+    p.sight(b)
+    assert p.reuse == 4 / 12
+
+    s = Sightings(prior_blocks=0, half_blocks=1000)
+    assert s.reuse is None
+    assert s.sight(a) == 0 and s.reuse == 0.0
     assert s.sight(b) == 0 and s.reuse == 0.0  # 8, none needed again
     assert s.sight(a, local_blocks=4) == 4 and s.reuse == 0.0  # vLLM's cache held all of a
     assert s.sight(a, local_blocks=1) == 4 and s.reuse == 3 / 8  # a1-a3 beyond it
@@ -300,7 +308,7 @@ def test_sightings_measure_how_much_of_what_is_first_seen_is_needed_again() -> N
     assert s.sight([*a[:2], b"c2", b"c3"]) == 2 and s.reuse == 4 / 10  # a new tail
     assert (s.first_blocks, s.returned_blocks) == (10, 4)
 
-    d = Sightings(min_blocks=1, half_blocks=4)  # old evidence fades
+    d = Sightings(prior_blocks=0, half_blocks=4)  # old evidence fades
     d.sight(a)
     d.sight(a)  # all 4 came back
     assert d.reuse == 1.0
@@ -316,7 +324,7 @@ def test_auto_doorkeeper_stores_first_sightings_only_while_they_pay(harness_fact
     most first sightings come back, a new prompt is stored at its first computation again."""
     h = harness_factory(load_mode="sync", store_seen_only="auto")
     sc = h.sconn
-    sc.sightings.min_blocks = 8
+    sc.sightings.prior_blocks = 0  # (the prior is tested above)
     _warm_up(h)  # cold: the warm-up prompts are stored at their first sighting
     assert sc.counters.stored_blocks > 0 and sc.sightings.skipped_blocks == 0
     assert sc.sightings.reuse == 0.0

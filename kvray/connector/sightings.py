@@ -10,7 +10,8 @@ collision only stores a block one sighting early.
 
 With ``store_seen_only="auto"`` the doorkeeper is priced: :attr:`Sightings.reuse` is the
 share of the blocks prompts held for the first time that a later prompt needed again beyond
-what vLLM's own cache had (each block counted once; a decayed ratio of counts), measured the
+what vLLM's own cache had (each block counted once; a decayed ratio of counts, starting from a
+prior of ``PRIOR_BLOCKS`` that all came back, since returns lag first sightings), measured the
 same whether first sightings are stored or not, so the choice never blinds its own evidence.
 """
 
@@ -24,8 +25,9 @@ __all__ = ["Sightings"]
 LIMIT = 1 << 16
 #: The reuse ratio's counts halve each time this many first sightings were added.
 HALF_BLOCKS = 4096
-#: First sightings counted before :attr:`Sightings.reuse` is known.
-MIN_BLOCKS = 64
+#: The reuse ratio starts from this many first sightings that all came back (a prior:
+#: stores are made, as before any measurement, until evidence outweighs it).
+PRIOR_BLOCKS = 64
 
 
 class _Generations:
@@ -52,10 +54,14 @@ class Sightings:
     """The block hashes of the prompts this engine saw lately. One thread (the scheduler's)."""
 
     def __init__(
-        self, limit: int = LIMIT, *, half_blocks: int = HALF_BLOCKS, min_blocks: int = MIN_BLOCKS
+        self,
+        limit: int = LIMIT,
+        *,
+        half_blocks: int = HALF_BLOCKS,
+        prior_blocks: int = PRIOR_BLOCKS,
     ) -> None:
         self.limit = max(1, limit)
-        self.min_blocks = min_blocks
+        self.prior_blocks = max(0, prior_blocks)
         self._seen = _Generations(self.limit)
         self._returned = _Generations(self.limit)
         self.half_blocks = max(1, half_blocks)
@@ -98,10 +104,12 @@ class Sightings:
     @property
     def reuse(self) -> float | None:
         """Of the blocks prompts held for the first time lately, the share a later prompt
-        needed again beyond vLLM's own cache (None: fewer than ``min_blocks`` counted)."""
-        if self.first_blocks < self.min_blocks or self._first <= 0:
+        needed again beyond vLLM's own cache, counting ``prior_blocks`` more that all came
+        back (None: nothing counted and no prior)."""
+        first = self._first + self.prior_blocks
+        if first <= 0:
             return None
-        return min(1.0, self._returns / self._first)
+        return min(1.0, (self._returns + self.prior_blocks) / first)
 
     def __len__(self) -> int:
         return len(self._seen)
