@@ -248,12 +248,13 @@ class KVRayConfig:
     price_loads: bool = False
     #: Connector: store a prompt's blocks only where an earlier prompt on this engine had them
     #: too (a doorkeeper: a prefix computed once is not stored, computed again it is); what a
-    #: request decodes is stored when a later prompt holds it. Off: every computed block is
-    #: stored. For loads where most prompts' tails are never seen again (issue 32).
-    #: ``"auto"``: a prompt's first sightings are stored too while that pays by what the
-    #: engine measures (the share of first sightings needed again beyond vLLM's cache times
-    #: their recompute, against a load of them; :mod:`kvray.connector.sightings`).
-    store_seen_only: bool | str = False
+    #: request decodes is stored when a later prompt holds it. False: every computed block is
+    #: stored. ``"auto"`` (default): a prompt's first sightings are stored too while that pays
+    #: by what the engine measures (the share of first sightings a later prompt needs again
+    #: beyond vLLM's cache, their recompute, a store and a load of them;
+    #: :meth:`~kvray.connector.pricing.Pricing.first_sightings_pay`); every block is stored
+    #: until those are measured (issue 32).
+    store_seen_only: bool | str = "auto"
     #: Connector: bytes of reusable staging buffers per worker for saves and loads.
     staging_bytes: int = 256 << 20
     #: Connector: blocks a request fills while it decodes are stored once this many are full
@@ -394,14 +395,16 @@ def _coerce(cls: type[KVRayConfig], name: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     default = next(f for f in fields(cls) if f.name == name).default
-    if isinstance(default, bool):
+    if isinstance(default, bool) or name in _AUTO_FIELDS:
         low = value.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        if low == "auto" and name in _AUTO_FIELDS:
-            return "auto"
+        if name in _AUTO_FIELDS:
+            if low == "auto":
+                return "auto"
+            raise ConfigError(name, value, 'expected true, false or "auto"')
         raise ConfigError(name, value, "expected true or false")
     if isinstance(default, float):
         try:
