@@ -225,10 +225,12 @@ class BlockIO:
         if nbytes <= BY_VALUE_PUT_BYTES:
             pieces = self._by_value(blocks)
             if pieces is not None:
+                # Tail first: the pool ranks a put's segments in the order they come, and a
+                # chain's head should be the last to go (its tail is worth nothing without it).
                 return _gather(
                     [
                         self._put_small(keys[a:b], ids[a:b], shard, nshards, blocks[a:b], n, pool)
-                        for a, b, n in pieces
+                        for a, b, n in reversed(pieces)
                     ]
                 )
         try:
@@ -257,7 +259,7 @@ class BlockIO:
                 return PutResult(0, 0, len(keys))
             pending = []
             no_room = 0  # blocks refused here: no room for their segment in the object store
-            for a, b in self._segments(blocks):
+            for a, b in reversed(self._segments(blocks)):  # tail first, as by value
                 seg = blocks[a:b]
                 sizes = _block_sizes(seg)
                 # A small segment goes inside the call; a larger one through the object
@@ -380,9 +382,10 @@ class BlockIO:
         )
 
     def _by_value(self, blocks: Blocks) -> list[tuple[int, int, int]] | None:
-        """``(a, b, bytes)`` pieces of at most ``INLINE_BYTES`` (and ``segment_bytes``) each,
-        to send by value; None when a block alone is larger."""
-        limit = min(INLINE_BYTES, self.config.segment_bytes)
+        """``(a, b, bytes)`` pieces of at most ``INLINE_BYTES`` each, to send by value; None
+        when a block alone is larger."""
+        # Not capped by segment_bytes: the pool cuts what it keeps by its own segment_bytes.
+        limit = INLINE_BYTES
         out = []
         for a, b in self._segments(blocks, limit):
             n = int(_block_sizes(blocks[a:b]).sum())

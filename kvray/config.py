@@ -182,7 +182,7 @@ _LOAD_MODES = ("sync", "layerwise", "async")
 #: The size fields and the least each may be (``disk_capacity``: see ``_check_disk``).
 _SIZE_FIELDS = {
     "capacity": MIN_CAPACITY,
-    "segment_bytes": 64 << 10,
+    "segment_bytes": 4 << 10,
     "max_inflight_put_bytes": 0,
     "staging_bytes": 0,
     "disk_capacity": 0,

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvray.meta.eviction import simulate
+from kvray.meta.messages import INLINE_BYTES
 
 
 def load_trace(path: str, limit: int = 0) -> list[list[int]]:
@@ -156,10 +157,13 @@ def key_of(x: int) -> bytes:
 class Engine:
     """One node's engine: lookup, get (every byte checked), put and wait for it."""
 
-    def __init__(self, namespace: str, nbytes: int) -> None:
+    def __init__(self, namespace: str, nbytes: int, segment_bytes: int) -> None:
         import kvray
 
-        self.store = kvray.connect(namespace)
+        # A put larger than the by-value limit goes in pieces this large (by value, when they
+        # fit a call); each pool keeps them as segments of its own segment_bytes.
+        cfg = kvray.KVRayConfig(namespace=namespace, segment_bytes=segment_bytes)
+        self.store = kvray.connect(namespace, cfg)
         self.nbytes = nbytes
 
     def ready(self) -> str:
@@ -234,10 +238,17 @@ def replay(
 
     ns = f"trace-{uuid.uuid4().hex[:8]}"
     per_node = cap_blocks // a.nodes
-    kvray.start(namespace=ns, capacity=per_node * a.block_bytes, eviction_policy=policy)
+    kvray.start(
+        namespace=ns,
+        capacity=per_node * a.block_bytes,
+        eviction_policy=policy,
+        segment_bytes=a.segment_blocks * a.block_bytes,
+    )
     engine_cls = ray.remote(num_cpus=0)(Engine)
     engines = [
-        engine_cls.options(resources={f"sim_node_{i}": 0.01}).remote(ns, a.block_bytes)
+        engine_cls.options(resources={f"sim_node_{i}": 0.01}).remote(
+            ns, a.block_bytes, max(INLINE_BYTES, a.segment_blocks * a.block_bytes)
+        )
         for i in range(a.nodes)
     ]
     node_ids = ray.get([e.ready.remote() for e in engines], timeout=120)
@@ -308,13 +319,17 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=4096)
     p.add_argument("--capacities", default="5860,20000",
                    help="total capacities in blocks (tight, roomy)")  # fmt: skip
-    p.add_argument("--policies", default="lru,probation,adaptive")
+    p.add_argument("--policies", default="lru,adaptive,aged")
+    p.add_argument("--segment-blocks", type=int, default=8,
+                   help="most blocks a segment (segment_bytes: this x block bytes)")  # fmt: skip
     p.add_argument("--routing", choices=("rr", "view"), default="rr")
     p.add_argument("--concurrent", action="store_true",
                    help="each engine runs its share at once, not one at a time")  # fmt: skip
     p.add_argument("--offline-only", action="store_true")
     p.add_argument("--home", action="store_true",
                    help="also simulate the pools with each put in its prefix's pool")  # fmt: skip
+    p.add_argument("--own-ghosts", action="store_true",
+                   help="also simulate the pools each with its own ghosts only")  # fmt: skip
     p.add_argument("--per-block", action="store_true",
                    help="also simulate each policy with one entry a block")  # fmt: skip
     p.add_argument("--ceilings", action="store_true",
@@ -334,11 +349,17 @@ def main() -> None:
     off: dict[int, dict[str, float]] = {}
     for cap in caps:
         row = {"unbounded": ub, "belady": belady(reqs, cap), "global_lru": global_lru(reqs, cap)}
+        seg = a.segment_blocks
         for pol in policies:
-            row[f"sim_{pol}"] = simulate(reqs, cap, pol).hit_rate
-            row[f"sim_{pol}_{a.nodes}pools"] = simulate(reqs, cap, pol, nodes=a.nodes).hit_rate
+            row[f"sim_{pol}"] = simulate(reqs, cap, pol, chunk=seg).hit_rate
+            # As the replay runs the pools: the cluster's ghosts shared by the index shards.
+            pools = simulate(reqs, cap, pol, nodes=a.nodes, shared_ghosts=True, chunk=seg)
+            row[f"sim_{pol}_{a.nodes}pools"] = pools.hit_rate
+            if a.own_ghosts:
+                own = simulate(reqs, cap, pol, nodes=a.nodes, chunk=seg)
+                row[f"sim_{pol}_{a.nodes}pools_own_ghosts"] = own.hit_rate
             if a.home:
-                home = simulate(reqs, cap, pol, nodes=a.nodes, placement="home")
+                home = simulate(reqs, cap, pol, nodes=a.nodes, placement="home", chunk=seg)
                 row[f"sim_{pol}_{a.nodes}pools_home"] = home.hit_rate
             if a.per_block:  # every block an entry: what the segment granularity costs
                 row[f"sim_{pol}_blocks"] = simulate(reqs, cap, pol, per_block=True).hit_rate

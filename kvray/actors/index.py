@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +28,12 @@ import ray
 from kvray.actors.changelog import ChangeLog
 from kvray.actors.engines import EngineTier
 from kvray.config import KVRayConfig
+from kvray.meta.ghosts import ClusterGhosts
 from kvray.meta.holders import PLACEMENT_BASE, Diff, HolderTable
 from kvray.meta.messages import (
     RAY_NAMESPACE,
     Changes,
+    GhostNotice,
     Inventory,
     NodeInfo,
     PoolStatus,
@@ -49,6 +52,8 @@ MAX_EARLY = 256
 MAX_GAP_S = 2.0
 #: How long after a resync a "not answering" about the pool's previous incarnation is ignored.
 STALE_VERDICT_S = 10.0
+#: Returned ghosts kept for one pool until its next batch takes them, at most.
+MAX_RETURNED = 4096
 
 
 @dataclass
@@ -82,6 +87,8 @@ class IndexShard:
         self._pools: dict[int, _Pool] = {}
         self._nodes_version = 0
         self._feed = ChangeLog()
+        self._ghosts = ClusterGhosts()
+        self._returned: dict[int, deque[int]] = {}  # slot -> its ghosts that came back
         self._engines = EngineTier(shard, self._feed)
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -205,10 +212,37 @@ class IndexShard:
         return self._epoch, self._feed.seq if engine else self._feed.cpu_seq
 
     # ------------------------------------------------------------------ updates from pools
-    async def update(self, slot: int, incarnation: str, version: int, batch: ShardBatch) -> None:
+    async def update(
+        self, slot: int, incarnation: str, version: int, batch: ShardBatch
+    ) -> GhostNotice | None:
         """A pool's next batch. Batches may arrive out of order (Ray does not order an async
         actor's calls): one that runs ahead waits in a small buffer for the gap to fill; a
-        gap that lasts (a lost message) or a new incarnation makes the shard resync the pool."""
+        gap that lasts (a lost message) or a new incarnation makes the shard resync the pool.
+        The answer is the cluster ghosts' news for that pool, if any (:meth:`_ghost_news`)."""
+        self._update(slot, incarnation, version, batch)
+        return self._ghost_news(slot, batch)
+
+    def _ghost_news(self, slot: int, batch: ShardBatch) -> GhostNotice | None:
+        """Record the batch's evicted keys as ghosts; its added keys that were ghosts are
+        promoted by the adding pool and are evidence for the pool that evicted them (told in
+        the answer to its next batch). Ghosts are hints, not state: they do not wait for the
+        batch's turn (the block changes do), and a resync or a restart forgets them."""
+        ghosts = self._ghosts
+        if batch.ghosts.size:
+            ghosts.evicted(slot, batch.ghosts)
+        promote = batch.heads[:0]
+        if batch.heads.size:
+            who, promote = ghosts.added(slot, batch.heads)
+            for other in np.unique(who[who != slot]).tolist():
+                waiting = self._returned.setdefault(int(other), deque(maxlen=MAX_RETURNED))
+                waiting.extend(promote[who == other].tolist())
+        waiting = self._returned.pop(slot, None)
+        if not promote.size and not waiting:
+            return None
+        returned = np.array(list(waiting or ()), dtype=np.uint64)
+        return GhostNotice(promote, returned)
+
+    def _update(self, slot: int, incarnation: str, version: int, batch: ShardBatch) -> None:
         pool = self._pools.get(slot)
         if pool is None:
             return  # not known yet: adopted from its inventory once the reconciler names it
@@ -374,7 +408,12 @@ class IndexShard:
         return self._epoch, self._feed.seq
 
     def _nbytes(self) -> int:
-        return self._holders.nbytes + self._feed.nbytes + self._engines.holders.nbytes
+        return (
+            self._holders.nbytes
+            + self._feed.nbytes
+            + self._engines.holders.nbytes
+            + self._ghosts.nbytes
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -390,6 +429,8 @@ class IndexShard:
             "applied": self._applied,
             "busy_s": self._busy_s,
             "resyncs": self._resyncs,
+            "ghosts": len(self._ghosts),
+            "ghost_returns": self._ghosts.returns,
             "bytes": self._nbytes(),
             "rss_bytes": _rss(),
             **self._engines.stats(),

@@ -45,7 +45,7 @@ from kvray.disk import DiskSettings
 from kvray.errors import InvalidArgumentError
 from kvray.meta import wire
 from kvray.meta.ids import index_shard_of, shard_ids
-from kvray.meta.messages import Inventory, LeaseReply, PutResult
+from kvray.meta.messages import GhostNotice, Inventory, LeaseReply, PutResult
 from kvray.meta.segment import SegmentMeta
 from kvray.metrics import PoolMetrics
 from kvray.threads import SupervisedThread
@@ -74,6 +74,7 @@ class BlockPool:
         disk: DiskSettings | None = None,
         *,
         eviction_policy: str = "lru",
+        segment_bytes: int = 0,
         run: bool = False,
     ) -> None:
         """``run``: start the threads, metrics and the disk tier now (the actor); unit tests
@@ -82,6 +83,9 @@ class BlockPool:
         self._node_id = node_id
         self._slot = int(slot)
         self._capacity = int(capacity)
+        #: A segment sent by value is kept as segments of at most this many bytes (0: whole):
+        #: the unit of eviction, so a put's reused head need not go with its one-off tail.
+        self._segment_bytes = int(segment_bytes)
         self._num_shards = int(num_index_shards)
         self._lease_timeout_s = lease_timeout_s
         self._get_timeout_s = get_timeout_s
@@ -92,6 +96,8 @@ class BlockPool:
         self._heap = heap.HeapBudget()
         self._leases = Leases(lease_timeout_s)
         self._pub = IndexPublisher(namespace, self._slot, self._incarnation, self._num_shards)
+        if self._state.shares_ghosts:
+            self._pub.on_notice = self._ghost_notice
         self._metrics = PoolMetrics.disabled()
         self._tiering = (
             Tiering(disk, namespace, node_id, self._state, self._lock, self._publish, get_timeout_s)
@@ -191,7 +197,7 @@ class BlockPool:
                 st.reserved -= need
             return PutResult(0, duplicate, refused + collided)
         try:
-            own = self._copy(payload, meta, chosen)
+            owns = self._copy(payload, meta, chosen)
         except Exception:
             with self._lock:
                 st.reserved -= need
@@ -201,12 +207,14 @@ class BlockPool:
             return PutResult(0, duplicate, refused + collided + int(chosen.size))
         with self._lock:
             st.reserved -= need
-            kept = meta.take(chosen)
-            # A concurrent put of the same blocks may have won the race: those stay there.
-            _, pos = st.add(kept, pids[chosen], own, None)
-            if pos.size:
-                self._publish((kept.ids[pos], kept.shards[pos], kept.nshards[pos]), None)
-            stored = int(pos.size)
+            stored = 0
+            for part, own in owns:  # tail first: a chain's head enters RAM last
+                kept = meta.take(part)
+                # A concurrent put of the same blocks may have won the race: those stay there.
+                _, pos = st.add(kept, pids[part], own, None)
+                if pos.size:
+                    self._publish((kept.ids[pos], kept.shards[pos], kept.nshards[pos]), None)
+                stored += int(pos.size)
             late_dups = int(chosen.size) - stored
             c = st.counters
             c.stored += stored
@@ -217,23 +225,45 @@ class BlockPool:
         self._metrics.stored(stored, need, time.perf_counter() - t0, used)
         return PutResult(stored, duplicate + late_dups, refused + collided)
 
-    def _copy(self, payload: list[Any] | bytes, meta: SegmentMeta, chosen: np.ndarray) -> Any:
-        """Map the client's segment and copy the chosen blocks into an object we own; blocks
-        it sent by value are kept in the pool's own memory while they fit (:mod:`.heap`)."""
+    def _copy(
+        self, payload: list[Any] | bytes, meta: SegmentMeta, chosen: np.ndarray
+    ) -> list[tuple[np.ndarray, Any]]:
+        """Map the client's segment and copy the chosen blocks into objects we own, as
+        ``(blocks, object)`` parts, the tail's first. Blocks it sent by value are kept in the
+        pool's own memory while they fit (:mod:`.heap`), cut into parts of at most
+        ``segment_bytes`` (each a segment of its own: the unit of eviction); a segment that
+        came through the object store stays whole (one ``ray.put`` each part would cost)."""
         if isinstance(payload, bytes):
             arrays, by_value = meta.rows_of(payload), True
         elif isinstance(payload[0], ObjectRef):
             arrays, by_value = ray.get(payload[0], timeout=self._get_timeout_s), False
         else:
             arrays, by_value = payload[0], True
-        own = meta.select(arrays, chosen)
-        if by_value:
-            kept = self._heap.hold(own, int(meta.sizes[chosen].sum()))
-            if kept is not None:
-                return kept
-        ref = ray.put(own)
-        del arrays, own
-        return ref
+        if not by_value:
+            own = meta.select(arrays, chosen)
+            ref = ray.put(own)
+            del arrays, own
+            return [(chosen, ref)]
+        out: list[tuple[np.ndarray, Any]] = []
+        for part in reversed(self._parts(meta.sizes[chosen], chosen)):
+            own = meta.select(arrays, part)
+            kept = self._heap.hold(own, int(meta.sizes[part].sum()))
+            out.append((part, kept if kept is not None else ray.put(own)))
+        return out
+
+    def _parts(self, sizes: np.ndarray, chosen: np.ndarray) -> list[np.ndarray]:
+        """``chosen`` cut into runs of at most ``segment_bytes`` (at least one block each)."""
+        limit = self._segment_bytes
+        if limit <= 0 or int(sizes.sum()) <= limit:
+            return [chosen]
+        out, start, size = [], 0, 0
+        for i, n in enumerate(sizes.tolist()):
+            if i > start and size + n > limit:
+                out.append(chosen[start:i])
+                start, size = i, 0
+            size += n
+        out.append(chosen[start:])
+        return out
 
     # ------------------------------------------------------------------ reads
     def lease(
@@ -391,6 +421,15 @@ class BlockPool:
             self._pub.removed(np.concatenate(removed.ids), np.concatenate(removed.shards))
         if added is not None:
             self._pub.added(*added)
+        if self._state.shares_ghosts:
+            evicted, heads = self._state.take_ghost_changes()
+            if evicted.size or heads.size:
+                self._pub.ghosts(evicted, heads)
+
+    def _ghost_notice(self, notice: GhostNotice) -> None:
+        """An index shard's news of the cluster's ghosts (on the publisher's thread)."""
+        with self._lock:
+            self._state.ghost_notice(notice.promote, notice.returned)
 
     def inventory(self, shard: int = 0, num_shards: int = 1) -> Inventory:
         """Every block shard this pool holds (RAM and disk) whose id falls in index shard

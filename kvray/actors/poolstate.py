@@ -29,7 +29,7 @@ from ray import ObjectRef
 
 from kvray.actors.heap import HeapSegment
 from kvray.disk import DiskSegment
-from kvray.meta.eviction import make_policy
+from kvray.meta.eviction import ProbationPolicy, make_policy
 from kvray.meta.ids import shard_ids
 from kvray.meta.idtable import IdTable
 from kvray.meta.segment import SegmentMeta
@@ -126,6 +126,10 @@ class PoolState:
         self.table = IdTable({"seg": np.uint32, "pos": np.uint32})
         self.segments: dict[int, Segment] = {}
         self.policy = make_policy(eviction_policy, capacity)  # ranks the segments in RAM
+        #: The policy remembers ghosts: the cluster shares them (:mod:`kvray.meta.ghosts`).
+        self.shares_ghosts = isinstance(self.policy, ProbationPolicy)
+        self.policy.keep_evicted = self.shares_ghosts
+        self._heads: list[int] = []  # keys of the segments entered since the last take
         self.used = 0  # bytes of the segments in RAM
         self.reserved = 0  # bytes promised to copies in flight (puts, promotions)
         self.counters = Counters()
@@ -181,6 +185,22 @@ class PoolState:
         key = int(seg.meta.ids[0]) if len(seg.meta) else 0
         self.policy.insert(seg_id, seg.meta.nbytes, seg.live_count, key)
         self.used += seg.meta.nbytes
+        if self.shares_ghosts and key:
+            self._heads.append(key)
+
+    def take_ghost_changes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Keys of the segments evicted (leaving a ghost) and entered since the last call."""
+        evicted = np.array(self.policy.take_ghosts(), dtype=np.uint64)
+        heads, self._heads = np.array(self._heads, dtype=np.uint64), []
+        return evicted, heads
+
+    def ghost_notice(self, promote: np.ndarray, returned: np.ndarray) -> None:
+        """The cluster's news: these segments were ghosts elsewhere; these ghosts of ours came
+        back in other pools."""
+        for key in promote.tolist():
+            self.policy.promote(int(key))
+        for key in returned.tolist():
+            self.policy.ghost_returned(int(key))
 
     def touch(self, seg_ids: list[int], hit_bytes: list[int]) -> None:
         """A read served ``hit_bytes`` from these segments, in the order of its prefix."""

@@ -14,12 +14,18 @@ lock, and drops one whose last update failed because the shard died (it is looke
 name on the next tick; a batch sent while no handle is known is skipped, and the shard resyncs
 from the pool's inventory when it sees the gap in versions). The thread is supervised (restarted
 should it raise; its deaths count in the pool's ``thread_deaths``) and stopped by the pool.
+
+A pool whose policy has ghosts also sends the keys of the segments it evicted and added
+(:mod:`kvray.meta.ghosts`); an index shard may answer an update with a :class:`GhostNotice`,
+which the same thread reads once it has arrived (never waiting for it) and hands to the pool.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,7 +34,7 @@ from ray import ObjectRef
 
 from kvray.handles import HandleCache
 from kvray.meta.ids import index_shard_of
-from kvray.meta.messages import ShardBatch, index_name
+from kvray.meta.messages import GhostNotice, ShardBatch, index_name
 from kvray.threads import SupervisedThread
 
 if TYPE_CHECKING:
@@ -59,10 +65,16 @@ IDLE_CHECK_S = 1.0
 MAX_BUFFERED = 1 << 17
 
 
+#: Sent updates whose answers (a :class:`GhostNotice` or None) are not read yet, at most.
+MAX_PENDING_ANSWERS = 4096
+
+
 class _Buffer:
     def __init__(self) -> None:
         self.add: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.rm: list[tuple[np.ndarray, np.ndarray]] = []
+        self.ghosts: list[np.ndarray] = []
+        self.heads: list[np.ndarray] = []
         self.size = 0
 
 
@@ -93,6 +105,14 @@ class IndexPublisher:
             restarts=5,
         )
         self.sent_batches = 0
+        #: Updates sent, oldest first, whose answers are read by the thread (:meth:`_answers`).
+        self._answers_pending: deque[ObjectRef[GhostNotice | None]] = deque(
+            maxlen=MAX_PENDING_ANSWERS
+        )
+        #: Called (on the publisher's thread, no lock held) with each notice an index shard
+        #: answers; the pool sets it.
+        self.on_notice: Callable[[GhostNotice], None] | None = None
+        self.notices = 0
 
     def start(self, interval_s: float = PUBLISH_INTERVAL_S) -> None:
         self._interval_s = interval_s
@@ -122,6 +142,31 @@ class IndexPublisher:
                 self.flush()
             except Exception:
                 logger.exception("kvray pool: publishing to the index failed")
+            self._answers()
+
+    def _answers(self) -> None:
+        """Hand the answers that arrived to ``on_notice`` (a failed update's error is
+        :meth:`_check_sent`'s business; here it is only skipped)."""
+        with self._lock:
+            refs = list(self._answers_pending)
+        if not refs:
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if not ready:
+            return
+        done = set(ready)
+        with self._lock:
+            left = [r for r in self._answers_pending if r not in done]
+            self._answers_pending.clear()
+            self._answers_pending.extend(left)
+        for ref in ready:
+            try:
+                notice = ray.get(ref, timeout=0)
+            except Exception:  # the shard died or restarted: it resyncs; no news to apply
+                continue
+            if notice is not None and self.on_notice is not None:
+                self.notices += 1
+                self.on_notice(notice)
 
     def _resolve(self) -> None:
         """Look up the shards with no handle (outside any lock; backoff in the cache)."""
@@ -177,6 +222,19 @@ class IndexPublisher:
                 if buf.size >= MAX_BUFFERED:
                     self._send(s)
 
+    def ghosts(self, evicted: np.ndarray, heads: np.ndarray) -> None:
+        """Keys of segments the policy evicted, and of segments added (for the cluster's
+        ghosts, :mod:`kvray.meta.ghosts`), each to the index shard owning its id."""
+        with self._lock:
+            for keys, attr in ((evicted, "ghosts"), (heads, "heads")):
+                if not keys.size:
+                    continue
+                for s, idx in self._split(keys):
+                    buf = self._buffers[s]
+                    getattr(buf, attr).append(keys[idx])
+                    buf.size += int(idx.size)
+                    self._dirty.set()
+
     def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         if self._k == 1:
             return [(0, np.arange(ids.size))]
@@ -213,14 +271,17 @@ class IndexPublisher:
             # A pool holds a block shard once, and a removal flushes pending additions, so
             # single-shard blocks never repeat in a batch's additions.
             add_unique=bool((a_nsh == 1).all()),
+            ghosts=np.concatenate(buf.ghosts) if buf.ghosts else _EMPTY,
+            heads=np.concatenate(buf.heads) if buf.heads else _EMPTY,
         )
         self._versions[s] += 1
         self.sent_batches += 1
         index = self._handles.cached(self._names[s])  # no GCS call: we hold the pool's lock
         if index is not None:  # else that shard resyncs from the inventory when it (re)appears
-            self._last[s] = index.update.remote(
-                self._slot, self._incarnation, self._versions[s], batch
-            )
+            ref = index.update.remote(self._slot, self._incarnation, self._versions[s], batch)
+            self._last[s] = ref
+            if self.on_notice is not None:
+                self._answers_pending.append(ref)
 
 
 _EMPTY = np.zeros(0, dtype=np.uint64)

@@ -178,6 +178,7 @@ class Reconciler:
             publish_interval(len(self._pools) + 1),
             DiskSettings.from_config(self._cfg),
             eviction_policy=self._cfg.eviction_policy,
+            segment_bytes=self._cfg.segment_bytes,
         )
         info = NodeInfo(slot, node_id, pool_name(self._ns, node_id), self._cfg.capacity)
         self._pools[node_id] = _PoolRecord(slot, info, handle)
@@ -270,6 +271,7 @@ def spawn_pool(
     publish_interval_s: float,
     disk: DiskSettings | None = None,
     eviction_policy: str = "lru",
+    segment_bytes: int = 0,
 ) -> PoolHandle:
     """Get or create the pool of ``node_id``: detached, pinned to its node, named.
 
@@ -309,6 +311,7 @@ def spawn_pool(
         publish_interval_s,
         disk,
         eviction_policy=eviction_policy,
+        segment_bytes=segment_bytes,
         run=True,
     )
 

@@ -19,6 +19,13 @@ those it may not evict (leased).
   a FIFO ghost put again within the capacity's worth of distance is a hit LRU would have had
   (the FIFO grows), a read of a main entry from beyond it is one LRU would have lost (the FIFO
   shrinks). Tight caches keep the doorkeeper; roomy ones drift towards recency.
+- ``aged``: probation and main ranked together by age, probation's ages weighted by a factor
+  the same evidence moves; at 1 it is exactly LRU, so a roomy cache loses nothing to the
+  doorkeeper (:class:`AgedPolicy`).
+
+Pools share their ghosts through the index shards (:mod:`kvray.meta.ghosts`): a segment put
+again on another node than the one that evicted it still skips probation, and the evicting
+pool's policy still gets the evidence (:meth:`EvictionPolicy.ghost_returned`).
 
 :func:`simulate` replays a request trace (each request a list of block ids, a chain) through
 one policy offline, for tuning and for ``scripts/bench_trace.py``.
@@ -26,15 +33,19 @@ one policy offline, for tuning and for ``scripts/bench_trace.py``.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvray.meta.ghosts import ClusterGhosts
+
 __all__ = [
     "POLICIES",
     "AdaptivePolicy",
+    "AgedPolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "ProbationPolicy",
@@ -44,7 +55,7 @@ __all__ = [
 ]
 
 #: The names ``eviction_policy`` accepts.
-POLICIES = ("lru", "probation", "adaptive")
+POLICIES = ("lru", "probation", "adaptive", "aged")
 
 
 class EvictionPolicy:
@@ -71,6 +82,22 @@ class EvictionPolicy:
         """Entries to evict, best first, each ``evictable``. The caller evicts (and
         :meth:`remove` s) each one before asking for the next; it may stop at any time."""
         raise NotImplementedError
+
+    def take_ghosts(self) -> list[int]:
+        """Keys of the entries evicted since the last call that left a ghost here: what a
+        pool tells the cluster (:class:`kvray.meta.ghosts.ClusterGhosts`), so an
+        entry put again on another node finds its ghost. Empty for policies without ghosts."""
+        return []
+
+    def promote(self, key: int) -> bool:
+        """The cluster says the entry whose key is ``key`` came back while its ghost was
+        remembered elsewhere: treat it as a ghost hit (no effect where the policy has no
+        ghosts, or the entry is not in probation). True if moved."""
+        return False
+
+    def ghost_returned(self, key: int) -> None:
+        """A ghost evicted here (``key``) came back in another pool: the evidence this pool's
+        own traffic would have given, had it come back here."""
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -189,11 +216,16 @@ class ProbationPolicy(EvictionPolicy):
         self._main: OrderedDict[int, int] = OrderedDict()  # eid -> bytes, least recent first
         self._prob_bytes = 0
         self._keys: dict[int, int] = {}  # eid -> first block id
+        self._eid_of: dict[int, int] = {}  # first block id -> eid (for the cluster's news)
         self._ghosts = _Ghosts()
         self.evicted_unread = 0  # from probation: never read
         self.evicted_read = 0  # from main
         self.promoted = 0  # read in probation: moved to main
         self.ghost_hits = 0
+        self.cluster_ghost_hits = 0  # put again here, the ghost remembered elsewhere
+        self.ghosts_returned = 0  # ghosts of ours put again elsewhere
+        self._evicted: list[int] = []  # keys of ghosts not yet taken (keep_evicted)
+        self.keep_evicted = False  # a pool that shares its ghosts sets this
 
     def __len__(self) -> int:
         return len(self._prob) + len(self._main)
@@ -204,6 +236,7 @@ class ProbationPolicy(EvictionPolicy):
         was = self._ghosts.pop(key) if key else None
         if key:
             self._keys[eid] = key
+            self._eid_of[key] = eid
         if was is None:
             self._prob[eid] = nbytes
             self._prob_bytes += nbytes
@@ -228,6 +261,8 @@ class ProbationPolicy(EvictionPolicy):
 
     def remove(self, eid: int, evicted: bool = False) -> None:
         key = self._keys.pop(eid, 0)
+        if key and self._eid_of.get(key) == eid:
+            del self._eid_of[key]
         nbytes = self._prob.pop(eid, None)
         main = nbytes is None
         if nbytes is not None:
@@ -242,6 +277,28 @@ class ProbationPolicy(EvictionPolicy):
             self.evicted_unread += 1
         if key:
             self._ghosts.add(key, main, max(64, self._ghosts_per_entry * len(self)))
+            if self.keep_evicted:
+                self._evicted.append(key)
+
+    def take_ghosts(self) -> list[int]:
+        out, self._evicted = self._evicted, []
+        return out
+
+    def promote(self, key: int) -> bool:
+        eid = self._eid_of.get(key)
+        nbytes = self._prob.pop(eid, None) if eid is not None else None
+        if nbytes is None:
+            return False
+        self._prob_bytes -= nbytes
+        self._main[eid] = nbytes
+        self.cluster_ghost_hits += 1
+        return True
+
+    def ghost_returned(self, key: int) -> None:
+        was = self._ghosts.pop(key)
+        if was is not None:
+            self.ghosts_returned += 1
+            self._came_back(key, was, 0)
 
     def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
         skipped: set[int] = set()  # not evictable now (leased): asked once per call
@@ -268,13 +325,15 @@ class ProbationPolicy(EvictionPolicy):
             "evicted_read": self.evicted_read,
             "promoted": self.promoted,
             "ghost_hits": self.ghost_hits,
+            "cluster_ghost_hits": self.cluster_ghost_hits,
+            "ghosts_returned": self.ghosts_returned,
             "probation_share_pct": round(100 * self.share),
         }
 
     def meta_nbytes(self) -> int:
         # An OrderedDict item and a dict item with their ints: 257 B (tracemalloc, 20,000
-        # entries), plus the ghosts' ring.
-        return 257 * len(self) + self._ghosts.nbytes
+        # entries), a second dict item (~100 B: key -> entry), plus the ghosts' ring.
+        return 357 * len(self) + self._ghosts.nbytes
 
 
 # ---------------------------------------------------------------------- adaptive
@@ -303,6 +362,11 @@ class _Recency:
     def use(self, slot: int) -> None:
         self._now += 1
         self.seq[slot] = self._now
+
+    @property
+    def now(self) -> int:
+        """The last use's sequence number (a use is an insertion or a read)."""
+        return self._now
 
     def since(self, slot: int) -> float:
         """Bytes of the items used after ``slot`` last was."""
@@ -353,7 +417,8 @@ class AdaptivePolicy(ProbationPolicy):
             return
         if not from_main and self._rec.since(slot) <= self.capacity:
             self.lru_would_hit += 1
-            self.share = min(self.high, self.share + nbytes / self.capacity)
+            grow = nbytes or float(self._rec.nbytes[slot])  # 0: the size its ghost had
+            self.share = min(self.high, self.share + grow / self.capacity)
         self._rec.drop(slot)
 
     def insert(self, eid: int, nbytes: int, nblocks: int, key: int = 0) -> None:
@@ -405,6 +470,103 @@ class AdaptivePolicy(ProbationPolicy):
         return super().meta_nbytes() + 100 * tracked + self._rec.size
 
 
+class AgedPolicy(AdaptivePolicy):
+    """Probation and main ranked together by age: the victim is the older of probation's
+    oldest entry and main's least recent one, probation's age multiplied by a weight ``k``
+    (between ``low`` and ``high``, starting at ``start``). At ``k = 1`` this is exactly LRU
+    over the segments (an unread entry's last use is its insertion); as ``k`` grows, entries
+    never read go first, as in ``probation``. The same evidence as ``adaptive`` moves ``k``
+    (exact LRU stack distances over the entries and ghosts it tracks):
+
+    - a ghost evicted from probation that comes back within the capacity is a hit LRU would
+      have had: ``k`` shrinks by ``exp(gain x bytes / capacity)``;
+    - a read of a main entry from beyond the capacity is a hit LRU would have lost: ``k``
+      grows by the same rule with the bytes read.
+
+    Unlike a FIFO share, the weight reaches LRU itself, so a roomy cache does not pay for the
+    doorkeeper; it starts above 1 because exact LRU gives no evidence either way (nothing it
+    keeps is read from beyond its capacity, nothing it evicts from probation comes back within
+    it). Bookkeeping: that of ``adaptive``."""
+
+    name = "aged"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        start: float = 2.0,
+        low: float = 1.0,
+        high: float = 1e4,
+        gain: float = 4.0,
+        ghosts: int = 4,
+    ) -> None:
+        super().__init__(capacity, ghosts=ghosts)
+        self._log_k = math.log(start)
+        self._log_low, self._log_high = math.log(low), math.log(high)
+        self.gain = gain
+
+    @property
+    def weight(self) -> float:
+        return math.exp(self._log_k)
+
+    def _shift(self, nbytes: float) -> None:
+        """Move ``log k`` by ``gain x nbytes / capacity`` (negative: towards LRU)."""
+        log_k = self._log_k + self.gain * nbytes / self.capacity
+        self._log_k = min(self._log_high, max(self._log_low, log_k))
+
+    def _came_back(self, key: int, from_main: bool, nbytes: int) -> None:
+        slot = self._ghost_slot.pop(key, None)
+        if slot is None:
+            return
+        if not from_main and self._rec.since(slot) <= self.capacity:
+            self.lru_would_hit += 1
+            self._shift(-(nbytes or float(self._rec.nbytes[slot])))
+        self._rec.drop(slot)
+
+    def touch(self, eids: Sequence[int], hit_bytes: Sequence[int]) -> None:
+        for eid, hit in zip(eids, hit_bytes, strict=True):
+            slot = self._slot.get(eid)
+            if slot is not None and eid in self._main and self._rec.since(slot) > self.capacity:
+                self.lru_would_miss += 1
+                self._shift(hit)
+        ProbationPolicy.touch(self, eids, hit_bytes)
+        for eid in reversed(eids):  # the head used last, as the queues order them
+            slot = self._slot.get(eid)
+            if slot is not None:
+                self._rec.use(slot)
+
+    def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
+        skipped: set[int] = set()  # not evictable now (leased): asked once per call
+
+        def oldest(queue: OrderedDict[int, int]) -> int | None:
+            for eid in queue:
+                if eid in skipped:
+                    continue
+                if evictable(eid):
+                    return eid
+                skipped.add(eid)
+            return None
+
+        while True:
+            prob, main = oldest(self._prob), oldest(self._main)
+            if prob is None or main is None:
+                found = main if prob is None else prob
+                if found is None:
+                    return
+                yield found
+                continue
+            rec = self._rec
+            age_prob = rec.now - int(rec.seq[self._slot[prob]])
+            age_main = rec.now - int(rec.seq[self._slot[main]])
+            yield prob if age_prob * self.weight >= age_main else main
+
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        out.pop("probation_share_pct", None)
+        out["probation_weight_pct"] = round(100 * self.weight)
+        return out
+
+
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
     """The policy called ``name`` (one of :data:`POLICIES`) for ``capacity`` bytes of RAM."""
     if name == "lru":
@@ -413,6 +575,8 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         return ProbationPolicy(capacity)
     if name == "adaptive":
         return AdaptivePolicy(capacity)
+    if name == "aged":
+        return AgedPolicy(capacity)
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
 
 
@@ -437,6 +601,8 @@ def simulate(
     per_block: bool = False,
     nodes: int = 1,
     placement: str = "own",
+    shared_ghosts: bool = False,
+    chunk: int = 0,
 ) -> SimResult:
     """Replay requests (chains of block ids) through one cache of ``capacity_blocks`` blocks
     of one byte each ruled by ``policy``: each request hits the longest cached prefix, reads
@@ -448,13 +614,21 @@ def simulate(
     pools: ``nodes`` caches of ``capacity_blocks // nodes`` blocks, requests round robin, the
     longest prefix held in any of them hit (each touches what it served), the rest put into
     the request's own; with ``placement="home"``, into the pool holding the last block hit
-    (none hit: a hash of the first block's), so a prefix's blocks and ghosts stay together."""
+    (none hit: a hash of the first block's), so a prefix's blocks and ghosts stay together.
+    With ``shared_ghosts``, the pools' ghosts are one cluster's (as the index shards keep them,
+    :class:`kvray.meta.ghosts.ClusterGhosts`): an entry put while another pool remembers its
+    ghost is promoted, and that pool gets the evidence. ``chunk`` > 0 cuts a put into entries
+    of at most that many blocks (a pool's ``segment_bytes``), inserted tail first."""
     if nodes > 1 and not isinstance(policy, str):
         raise ValueError("simulate: several nodes need a policy name (one policy each)")
     if placement not in ("own", "home"):
         raise ValueError(f"simulate: placement is 'own' or 'home', not {placement!r}")
     cap = capacity_blocks // nodes
     pols = [make_policy(policy, cap) if isinstance(policy, str) else policy for _ in range(nodes)]
+    cluster = ClusterGhosts() if shared_ghosts else None
+    if cluster is not None:
+        for pol in pols:
+            pol.keep_evicted = True
     where: dict[int, tuple[int, int]] = {}  # block -> (node, entry)
     blocks_of: dict[int, list[int]] = {}
     used = [0] * nodes
@@ -491,7 +665,12 @@ def simulate(
             me = (((req[0] * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 32) % nodes
         pol = pols[me]
         new = [x for x in dict.fromkeys(req[n:]) if x not in where]
-        groups = [[x] for x in new] if per_block else ([new] if new else [])
+        if per_block:
+            groups = [[x] for x in new]
+        elif chunk > 0:  # tail first: within a put, the head is the most recent
+            groups = [new[j : j + chunk] for j in range(0, len(new), chunk)][::-1]
+        else:
+            groups = [new] if new else []
         for group in groups:
             need = len(group)
             if used[me] + need > cap:
@@ -502,6 +681,8 @@ def simulate(
                     used[me] -= len(gone)
                     pol.remove(victim, evicted=True)
                     evicted += 1
+                    if cluster is not None:
+                        cluster.evicted(me, pol.take_ghosts())
                     if used[me] + need <= cap:
                         break
             group = group[: max(0, cap - used[me])]
@@ -514,5 +695,10 @@ def simulate(
                 where[x] = (me, eid)
             used[me] += len(group)
             max_used = max(max_used, used[me])
-            pol.insert(eid, len(group), len(group), key=group[0] + 1)
+            pol.insert(eid, len(group), len(group), key=group[0] + 2)
+            if cluster is not None:
+                for slot, key in zip(*cluster.added(me, [group[0] + 2]), strict=True):
+                    pols[me].promote(int(key))
+                    if slot != me:
+                        pols[int(slot)].ghost_returned(int(key))
     return SimResult(hit, total, evicted, max_used)

@@ -110,9 +110,24 @@ class ShardBatch:
     rm_shards: np.ndarray  # uint16
     #: No id repeats among the additions (skips grouping them).
     add_unique: bool = False
+    #: Keys (first block ids) of the segments the pool's policy evicted, and of those it
+    #: added, for the cluster's ghosts (:mod:`kvray.meta.ghosts`); empty under ``lru``.
+    ghosts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    heads: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
 
     def __len__(self) -> int:
         return int(self.add_ids.size + self.rm_ids.size)
+
+
+@dataclass(frozen=True)
+class GhostNotice:
+    """An index shard's answer to a pool's batch, when the cluster's ghosts have news for it:
+    keys of segments it added that were ghosts elsewhere (``promote``: they skip probation),
+    and keys of its own ghosts that came back in other pools (``returned``: its policy's
+    evidence)."""
+
+    promote: np.ndarray  # uint64
+    returned: np.ndarray  # uint64
 
 
 @dataclass(frozen=True)
