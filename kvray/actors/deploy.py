@@ -23,6 +23,7 @@ from kvray.errors import InvalidArgumentError, NotStartedError, StoreUnavailable
 from kvray.meta.messages import (
     RAY_NAMESPACE,
     control_name,
+    index_name,
     pool_prefix,
 )
 
@@ -69,6 +70,7 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
         while pools < alive and time.monotonic() < deadline:
             time.sleep(0.2)
             pools = ray.get(control.reconcile.remote(), timeout=wait)
+        _wait_for_index(cfg.namespace, k, pools, deadline)
         stats: dict[str, Any] = ray.get(control.stats.remote(), timeout=cfg.get_timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise StoreUnavailableError(
@@ -89,6 +91,30 @@ def start(config: KVRayConfig | None = None, **fields: Any) -> dict[str, Any]:
         "kvray started in namespace %r: %d pool(s), %d index shard(s)", cfg.namespace, pools, k
     )
     return stats
+
+
+def _wait_for_index(namespace: str, shards: int, pools: int, deadline: float) -> None:
+    """Until every index shard vouches for ``pools`` pools (each adopts a new pool from its
+    inventory, a tick or two after the reconciler names it), or ``deadline``: a ``status``
+    or a lookup right after ``start`` then sees every pool the start reported. Blocks put
+    meanwhile are not lost either way (a shard adopts them with the pool's inventory)."""
+    try:
+        handles = [
+            ray.get_actor(index_name(namespace, s), namespace=RAY_NAMESPACE) for s in range(shards)
+        ]
+    except ValueError:  # a shard not registered yet (restarting): its own resync follows
+        return
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            seen = ray.get([h.healthy_pools.remote() for h in handles], timeout=left)
+        except ray.exceptions.GetTimeoutError:
+            return
+        if min(seen, default=pools) >= pools:
+            return
+        time.sleep(0.05)
 
 
 def stop(namespace: str = "default", purge: bool = False) -> int:

@@ -404,6 +404,10 @@ class IndexShard:
         """Location code of each id (0: not visible)."""
         return self._holders.locs(np.asarray(ids, dtype=np.uint64))
 
+    def healthy_pools(self) -> int:
+        """Pools whose blocks this shard vouches for (adopted and not purged)."""
+        return sum(1 for p in self._pools.values() if p.healthy)
+
     def current(self) -> tuple[str, int]:
         return self._epoch, self._feed.seq
 
