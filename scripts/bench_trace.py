@@ -5,9 +5,11 @@ The trace is JSONL, one request a line: ``timestamp`` (ms), ``input_length``,
 reusable blocks). Each request, on the engine of its node (an actor pinned to the node, one per
 node, routed round robin or to the node whose pool holds the longest prefix by kvray's view):
 looks up the longest cached prefix cluster-wide (``Store.lookup``), reads those blocks back
-(``Store.get``) and checks every byte, then puts the rest into its node's pool and waits for
-the put to be acknowledged. Every block's bytes are a function of its id, so a wrong byte
-anywhere is counted.
+(``Store.get``; a block evicted since the lookup ends the hit there, as a connector loads the
+prefix it can read) and checks every byte, then puts the rest into its node's pool and waits
+for the put to be acknowledged. The engines work at once, in trace order, ``--window`` rounds
+of requests at a time (``--serial``: one request at a time). Every block's bytes are a
+function of its id, so a wrong byte anywhere is counted.
 
 On the same request sequence, offline (plain Python): one global LRU of the same total capacity
 (every block of a request accessed in order), Belady (evict the farthest next use, the offline
@@ -344,10 +346,14 @@ def main() -> None:
     p.add_argument("--segment-blocks", type=int, default=8,
                    help="most blocks a segment (segment_bytes: this x block bytes)")  # fmt: skip
     p.add_argument("--routing", choices=("rr", "view"), default="rr")
-    p.add_argument("--concurrent", action="store_true",
-                   help="the engines work at once, not one at a time")  # fmt: skip
+    p.add_argument("--serial", dest="concurrent", action="store_false",
+                   help="one engine at a time (default: the engines work at once)")  # fmt: skip
+    p.add_argument(
+        "--concurrent", dest="concurrent", action="store_true", help=argparse.SUPPRESS
+    )  # the default; kept for old command lines
     p.add_argument("--window", type=int, default=8,
-                   help="with --concurrent: rounds of requests at a time (0: unpaced)")  # fmt: skip
+                   help="rounds of requests the engines work at once (0: unpaced)")  # fmt: skip
+    p.set_defaults(concurrent=True)
     p.add_argument("--offline-only", action="store_true")
     p.add_argument("--home", action="store_true",
                    help="also simulate the pools with each put in its prefix's pool")  # fmt: skip
