@@ -342,7 +342,7 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=4096)
     p.add_argument("--capacities", default="5860,20000",
                    help="total capacities in blocks (tight, roomy)")  # fmt: skip
-    p.add_argument("--policies", default="lru,adaptive,aged")
+    p.add_argument("--policies", default="lru,aged")
     p.add_argument("--segment-blocks", type=int, default=8,
                    help="most blocks a segment (segment_bytes: this x block bytes)")  # fmt: skip
     p.add_argument("--routing", choices=("rr", "view"), default="rr")

@@ -223,11 +223,10 @@ class IndexShard:
         return self._ghost_news(slot, batch)
 
     def _ghost_news(self, slot: int, batch: ShardBatch) -> GhostNotice | None:
-        """Record the batch's evicted keys that no pool holds now as ghosts; its added keys that
-        were ghosts are
-        promoted by the adding pool and are evidence for the pool that evicted them (told in
-        the answer to its next batch). Ghosts are hints, not state: they do not wait for the
-        batch's turn (the block changes do), and a resync or a restart forgets them."""
+        """Record the batch's evicted keys that no pool holds now as ghosts; its added keys
+        that were ghosts are promoted by the adding pool and are evidence for the pool that
+        evicted them (told in the answer to its next batch). Ghosts are hints, not state: they
+        do not wait for the batch's turn (the block changes do), and a restart forgets them."""
         ghosts = self._ghosts
         if batch.ghosts.size:
             # A copy evicted while another pool still holds the block is no ghost: the block
