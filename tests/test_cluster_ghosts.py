@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import ray
 from ray_fixtures import started_namespace
+from test_eviction import roomy_reuse, tight_reuse
 
 from kvray.meta.eviction import AgedPolicy, LRUPolicy, make_policy, simulate
 from kvray.meta.ghosts import ClusterGhosts
@@ -41,13 +42,7 @@ def test_aged_keeps_the_doorkeeper_where_reuse_comes_back_beyond_the_capacity() 
     """Tight: a 5-block chain read every 10 requests, 27 one-off blocks between (more than the
     20-block cache). LRU never hits it; ``aged`` keeps it, and its weight grows (every read of
     the chain is one LRU would have lost)."""
-    reqs: list[list[int]] = []
-    k = 10**6
-    for _ in range(60):
-        reqs.append([1, 2, 3, 4, 5])
-        for _ in range(9):
-            reqs.append([k, k + 1, k + 2])
-            k += 10
+    reqs = tight_reuse()
     pol = make_policy("aged", 20)
     got = simulate(reqs, 20, pol).hit_rate
     assert simulate(reqs, 20, "lru").hit_rate == 0.0
@@ -59,11 +54,7 @@ def test_aged_turns_to_lru_where_lru_would_have_hit() -> None:
     """Roomy: every 2-block chain is read once, 4 chains after its put. ``probation`` loses
     each before that read; ``aged`` sees the ghosts come back within the capacity, falls to
     ``k = 1`` and hits what LRU hits, less the return it learnt from."""
-    reqs: list[list[int]] = []
-    for i in range(400):
-        reqs.append([1000 * i, 1000 * i + 1])
-        if i >= 4:
-            reqs.append([1000 * (i - 4), 1000 * (i - 4) + 1])
+    reqs = roomy_reuse()
     pol = make_policy("aged", 20)
     aged = simulate(reqs, 20, pol).hit_rate
     lru = simulate(reqs, 20, "lru").hit_rate

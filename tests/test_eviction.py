@@ -103,10 +103,9 @@ def test_leased_entries_are_skipped_and_stats_say_why() -> None:
         make_policy("fifo", 100)
 
 
-def test_adaptive_keeps_the_doorkeeper_where_reuse_comes_back_beyond_the_capacity() -> None:
-    """Tight: a 5-block chain read every 10 requests, 27 one-off blocks between (more than
-    the 20-block cache). LRU never hits it; ``adaptive`` keeps it as ``probation`` does, and
-    its share stays at its floor (each read of the chain is one LRU would have lost)."""
+def tight_reuse() -> list[list[int]]:
+    """A 5-block chain read every 10 requests, 27 one-off blocks between: more than a 20-block
+    cache, so LRU never hits it."""
     reqs: list[list[int]] = []
     k = 10**6
     for _ in range(60):
@@ -114,6 +113,25 @@ def test_adaptive_keeps_the_doorkeeper_where_reuse_comes_back_beyond_the_capacit
         for _ in range(9):
             reqs.append([k, k + 1, k + 2])
             k += 10
+    return reqs
+
+
+def roomy_reuse() -> list[list[int]]:
+    """Every 2-block chain read once, 4 chains after its put: 16 blocks of traffic, within a
+    20-block cache."""
+    reqs: list[list[int]] = []
+    for i in range(400):
+        reqs.append([1000 * i, 1000 * i + 1])
+        if i >= 4:
+            reqs.append([1000 * (i - 4), 1000 * (i - 4) + 1])
+    return reqs
+
+
+def test_adaptive_keeps_the_doorkeeper_where_reuse_comes_back_beyond_the_capacity() -> None:
+    """Tight: a 5-block chain read every 10 requests, 27 one-off blocks between (more than
+    the 20-block cache). LRU never hits it; ``adaptive`` keeps it as ``probation`` does, and
+    its share stays at its floor (each read of the chain is one LRU would have lost)."""
+    reqs = tight_reuse()
     got = {n: simulate(reqs, 20, make_policy(n, 20)).hit_rate for n in POLICIES}
     assert got["lru"] == 0.0
     assert got["adaptive"] == got["probation"] > 0.15
@@ -127,11 +145,7 @@ def test_adaptive_turns_to_recency_where_lru_would_have_hit() -> None:
     in a 20-block cache). ``probation`` evicts each from its FIFO before that read and hits
     almost nothing; ``adaptive`` sees each such miss as one LRU would have hit (its ghost
     came back within the capacity), grows its FIFO and hits what LRU hits."""
-    reqs: list[list[int]] = []
-    for i in range(400):
-        reqs.append([1000 * i, 1000 * i + 1])
-        if i >= 4:
-            reqs.append([1000 * (i - 4), 1000 * (i - 4) + 1])
+    reqs = roomy_reuse()
     got = {n: simulate(reqs, 20, make_policy(n, 20)).hit_rate for n in POLICIES}
     assert got["probation"] < 0.05 and got["lru"] > 0.45
     assert got["adaptive"] >= 0.95 * got["lru"]

@@ -417,9 +417,16 @@ class AdaptivePolicy(ProbationPolicy):
             return
         if not from_main and self._rec.since(slot) <= self.capacity:
             self.lru_would_hit += 1
-            grow = nbytes or float(self._rec.nbytes[slot])  # 0: the size its ghost had
-            self.share = min(self.high, self.share + grow / self.capacity)
+            self._lru_would_hit(nbytes or float(self._rec.nbytes[slot]))  # 0: its ghost's size
         self._rec.drop(slot)
+
+    def _lru_would_hit(self, nbytes: float) -> None:
+        """Probation lost ``nbytes`` that LRU would have kept: the FIFO grows."""
+        self.share = min(self.high, self.share + nbytes / self.capacity)
+
+    def _lru_would_miss(self, nbytes: float) -> None:
+        """Main served ``nbytes`` that LRU would have lost: the FIFO shrinks."""
+        self.share = max(self.low, self.share - nbytes / self.capacity)
 
     def insert(self, eid: int, nbytes: int, nblocks: int, key: int = 0) -> None:
         super().insert(eid, nbytes, nblocks, key)
@@ -433,7 +440,7 @@ class AdaptivePolicy(ProbationPolicy):
             slot = self._slot.get(eid)
             if slot is not None and eid in self._main and self._rec.since(slot) > self.capacity:
                 self.lru_would_miss += 1
-                self.share = max(self.low, self.share - hit / self.capacity)
+                self._lru_would_miss(hit)
         super().touch(eids, hit_bytes)
         for eid in reversed(eids):  # the head used last, as the queues order them
             slot = self._slot.get(eid)
@@ -514,26 +521,11 @@ class AgedPolicy(AdaptivePolicy):
         log_k = self._log_k + self.gain * nbytes / self.capacity
         self._log_k = min(self._log_high, max(self._log_low, log_k))
 
-    def _came_back(self, key: int, from_main: bool, nbytes: int) -> None:
-        slot = self._ghost_slot.pop(key, None)
-        if slot is None:
-            return
-        if not from_main and self._rec.since(slot) <= self.capacity:
-            self.lru_would_hit += 1
-            self._shift(-(nbytes or float(self._rec.nbytes[slot])))
-        self._rec.drop(slot)
+    def _lru_would_hit(self, nbytes: float) -> None:
+        self._shift(-nbytes)
 
-    def touch(self, eids: Sequence[int], hit_bytes: Sequence[int]) -> None:
-        for eid, hit in zip(eids, hit_bytes, strict=True):
-            slot = self._slot.get(eid)
-            if slot is not None and eid in self._main and self._rec.since(slot) > self.capacity:
-                self.lru_would_miss += 1
-                self._shift(hit)
-        ProbationPolicy.touch(self, eids, hit_bytes)
-        for eid in reversed(eids):  # the head used last, as the queues order them
-            slot = self._slot.get(eid)
-            if slot is not None:
-                self._rec.use(slot)
+    def _lru_would_miss(self, nbytes: float) -> None:
+        self._shift(nbytes)
 
     def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
         skipped: set[int] = set()  # not evictable now (leased): asked once per call
