@@ -410,6 +410,9 @@ def main() -> None:
                     s = r["stats"].get("totals", {})  # summed over the pools
                     reasons = {k: v for k, v in s.items() if k.startswith("policy_")}
                     pools = [p for p in r["stats"].get("nodes", {}).values() if "error" not in p]
+                    shards = [x for x in r["stats"]["index"]["shards"] if "error" not in x]
+                    for k in ("multi_holder_blocks", "duplicate_segments"):  # copies at the end
+                        reasons[f"index_{k}"] = sum(int(x.get(k, 0)) for x in shards)
                     for k in [k for k in reasons if k.endswith("_pct")]:  # a mean, not a sum
                         reasons[k] = round(reasons[k] / max(1, len(pools)))
                     print(

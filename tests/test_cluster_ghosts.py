@@ -17,6 +17,8 @@ from test_eviction import roomy_reuse, tight_reuse
 
 from kvray.meta.eviction import AgedPolicy, LRUPolicy, make_policy, simulate
 from kvray.meta.ghosts import ClusterGhosts
+from kvray.meta.holders import HolderTable
+from kvray.meta.news import ClusterNews
 
 
 def _random_trace(seed: int, n: int = 600) -> list[list[int]]:
@@ -97,6 +99,50 @@ def test_shared_ghosts_give_a_segment_put_again_elsewhere_its_return() -> None:
 
 
 # ---------------------------------------------------------------------- through the store
+def _held(h: HolderTable, slot: int, ids: list[int]) -> None:
+    n = len(ids)
+    h.add(slot, np.array(ids, np.uint64), np.zeros(n, np.uint16), np.ones(n, np.uint16))
+
+
+def test_a_block_put_in_two_pools_demotes_the_copy_no_reader_sees() -> None:
+    """Readers read the lowest slot's copy of a block two pools hold whole. The index's news:
+    the hidden copy is demoted (told at once when it is the batch's own, else with its pool's
+    next answer); the read copy is reused (or promoted, when it is the new one)."""
+    h, news = HolderTable(), ClusterNews()
+    none = np.zeros(0, dtype=np.uint64)
+    _held(h, 0, [7, 8])
+    assert news.batch(0, none, np.array([7], np.uint64), h) is None  # one copy: no news
+    _held(h, 1, [7, 8])  # slot 1's copy: hidden behind slot 0's
+    got = news.batch(1, none, np.array([7], np.uint64), h)
+    assert got is not None and got.demote.tolist() == [7] and not got.promote.size
+    told = news.batch(0, none, none, h)
+    assert told is not None and told.reused.tolist() == [7] and not told.demote.size
+    _held(h, 2, [30])
+    _held(h, 1, [30])  # the new copy has the lower slot: it is read (promoted), 2's hidden
+    got = news.batch(1, none, np.array([30], np.uint64), h)
+    assert got is not None and got.promote.tolist() == [30] and not got.demote.size
+    assert news.batch(2, none, none, h).demote.tolist() == [30]  # type: ignore[union-attr]
+    assert news.batch(0, none, none, h) is None
+    assert news.duplicates == 2
+    _held(h, 2, [31])
+    _held(h, 0, [31])
+    news.batch(0, none, np.array([31], np.uint64), h)  # 2's copy of 31 is hidden now
+    news.forget(2)  # slot 2 left: its news goes
+    assert news.batch(2, none, none, h) is None
+
+
+@pytest.mark.parametrize("name", ["lru", "probation", "adaptive", "aged"])
+def test_a_demoted_entry_is_the_first_victim(name: str) -> None:
+    pol = make_policy(name, 100)
+    for eid in (1, 2, 3):
+        pol.insert(eid, 10, 1, key=100 + eid)
+    pol.touch([1], [10])  # read: in main, the most recent
+    pol.demote(1)
+    assert next(pol.victims(lambda e: True)) == 1
+    if name != "lru":
+        assert pol.stats()["demoted"] == 1
+
+
 BLOCK = 16 << 10
 
 
@@ -162,6 +208,22 @@ def test_a_segment_evicted_on_one_node_skips_probation_on_another(ray_cluster: o
             assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
             shards = store.stats()["index"]["shards"]
             assert sum(s.get("ghost_returns", 0) for s in shards) >= 1
+            # A puts the chain again (its lookup raced B's put): two copies, one read. The
+            # pool whose copy readers do not see demotes it, in the answer to its own batch
+            # or to its next one.
+            assert ray.get(a.put.remote(chain, 1), timeout=60) == 4
+            assert ray.get(b.put.remote([b"one/z"], 7), timeout=60) == 1
+            assert ray.get(a.put.remote([b"one/w"], 6), timeout=60) == 1
+
+            def demoted() -> list[int]:
+                return [_pool(store, n).get("policy_demoted", 0) for n in (node_a, node_b)]
+
+            _wait(lambda: sum(demoted()) == 1, "the hidden copy's demotion")
+            shards = store.stats()["index"]["shards"]
+            assert sum(s.get("duplicate_segments", 0) for s in shards) == 1
+            store.sync()
+            got = store.get(chain)
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_a_pool_keeps_a_put_as_segments_of_its_segment_bytes_tail_first(

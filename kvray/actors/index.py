@@ -18,7 +18,6 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,6 @@ import ray
 from kvray.actors.changelog import ChangeLog
 from kvray.actors.engines import EngineTier
 from kvray.config import KVRayConfig
-from kvray.meta.ghosts import ClusterGhosts
 from kvray.meta.holders import PLACEMENT_BASE, Diff, HolderTable
 from kvray.meta.messages import (
     RAY_NAMESPACE,
@@ -40,6 +38,7 @@ from kvray.meta.messages import (
     ReplicaInfo,
     ShardBatch,
 )
+from kvray.meta.news import ClusterNews
 from kvray.metrics import IndexMetrics
 
 if TYPE_CHECKING:
@@ -52,8 +51,6 @@ MAX_EARLY = 256
 MAX_GAP_S = 2.0
 #: How long after a resync a "not answering" about the pool's previous incarnation is ignored.
 STALE_VERDICT_S = 10.0
-#: Returned ghosts kept for one pool until its next batch takes them, at most.
-MAX_RETURNED = 4096
 
 
 @dataclass
@@ -87,8 +84,7 @@ class IndexShard:
         self._pools: dict[int, _Pool] = {}
         self._nodes_version = 0
         self._feed = ChangeLog()
-        self._ghosts = ClusterGhosts()
-        self._returned: dict[int, deque[int]] = {}  # slot -> its ghosts that came back
+        self._news = ClusterNews()  # the cluster's ghosts and copies
         self._engines = EngineTier(shard, self._feed)
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -218,32 +214,10 @@ class IndexShard:
         """A pool's next batch. Batches may arrive out of order (Ray does not order an async
         actor's calls): one that runs ahead waits in a small buffer for the gap to fill; a
         gap that lasts (a lost message) or a new incarnation makes the shard resync the pool.
-        The answer is the cluster ghosts' news for that pool, if any (:meth:`_ghost_news`)."""
+        The answer is the cluster's news for that pool, if any (:mod:`kvray.meta.news`)."""
         self._update(slot, incarnation, version, batch)
-        return self._ghost_news(slot, batch)
-
-    def _ghost_news(self, slot: int, batch: ShardBatch) -> GhostNotice | None:
-        """Record the batch's evicted keys that no pool holds now as ghosts; its added keys
-        that were ghosts are promoted by the adding pool and are evidence for the pool that
-        evicted them (told in the answer to its next batch). Ghosts are hints, not state: they
-        do not wait for the batch's turn (the block changes do), and a restart forgets them."""
-        ghosts = self._ghosts
-        if batch.ghosts.size:
-            # A copy evicted while another pool still holds the block is no ghost: the block
-            # never left the cluster (concurrent misses put the same prefix in two pools).
-            gone = batch.ghosts[self._holders.locs(batch.ghosts) == 0]
-            ghosts.evicted(slot, gone)
-        promote = batch.heads[:0]
-        if batch.heads.size:
-            who, promote = ghosts.added(slot, batch.heads)
-            for other in np.unique(who[who != slot]).tolist():
-                waiting = self._returned.setdefault(int(other), deque(maxlen=MAX_RETURNED))
-                waiting.extend(promote[who == other].tolist())
-        waiting = self._returned.pop(slot, None)
-        if not promote.size and not waiting:
-            return None
-        returned = np.array(list(waiting or ()), dtype=np.uint64)
-        return GhostNotice(promote, returned)
+        # Hints, not state: they do not wait for the batch's turn (the block changes do).
+        return self._news.batch(slot, batch.ghosts, batch.heads, self._holders)
 
     def _update(self, slot: int, incarnation: str, version: int, batch: ShardBatch) -> None:
         pool = self._pools.get(slot)
@@ -345,6 +319,7 @@ class IndexShard:
         h = self._holders
         h.seq, h.reuse_floor = self._feed.seq + 1, self._feed.floor
         diff = h.purge(pool.info.slot)
+        self._news.forget(pool.info.slot)
         self._feed.record(diff)
         if len(diff):
             self._metrics.purged(len(diff))
@@ -419,7 +394,7 @@ class IndexShard:
             self._holders.nbytes
             + self._feed.nbytes
             + self._engines.holders.nbytes
-            + self._ghosts.nbytes
+            + self._news.nbytes
         )
 
     def stats(self) -> dict[str, Any]:
@@ -436,8 +411,9 @@ class IndexShard:
             "applied": self._applied,
             "busy_s": self._busy_s,
             "resyncs": self._resyncs,
-            "ghosts": len(self._ghosts),
-            "ghost_returns": self._ghosts.returns,
+            "ghosts": len(self._news),
+            "ghost_returns": self._news.ghosts.returns,
+            "duplicate_segments": self._news.duplicates,
             "bytes": self._nbytes(),
             "rss_bytes": _rss(),
             **self._engines.stats(),

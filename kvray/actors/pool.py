@@ -429,7 +429,7 @@ class BlockPool:
     def _ghost_notice(self, notice: GhostNotice) -> None:
         """An index shard's news of the cluster's ghosts (on the publisher's thread)."""
         with self._lock:
-            self._state.ghost_notice(notice.promote, notice.returned)
+            self._state.ghost_notice(notice)
 
     def inventory(self, shard: int = 0, num_shards: int = 1) -> Inventory:
         """Every block shard this pool holds (RAM and disk) whose id falls in index shard

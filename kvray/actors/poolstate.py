@@ -32,6 +32,7 @@ from kvray.disk import DiskSegment
 from kvray.meta.eviction import ProbationPolicy, make_policy
 from kvray.meta.ids import shard_ids
 from kvray.meta.idtable import IdTable
+from kvray.meta.messages import GhostNotice
 from kvray.meta.segment import SegmentMeta
 
 __all__ = ["STATS_COUNTERS", "Counters", "PoolState", "Removed", "Segment"]
@@ -194,13 +195,28 @@ class PoolState:
         heads, self._heads = np.array(self._heads, dtype=np.uint64), []
         return evicted, heads
 
-    def ghost_notice(self, promote: np.ndarray, returned: np.ndarray) -> None:
-        """The cluster's news: these segments were ghosts elsewhere; these ghosts of ours came
-        back in other pools."""
-        for key in promote.tolist():
+    def ghost_notice(self, notice: GhostNotice) -> None:
+        """The cluster's news (:mod:`kvray.meta.news`): segments to promote (ghosts
+        elsewhere, or the copy readers see of a block put twice), ghosts of ours that came
+        back in other pools, copies of ours no reader sees (evicted first) and copies of
+        ours put again elsewhere (a read)."""
+        for key in notice.promote.tolist():
             self.policy.promote(int(key))
-        for key in returned.tolist():
+        for key in notice.returned.tolist():
             self.policy.ghost_returned(int(key))
+        for seg_id in self._segments_of(notice.demote):
+            self.policy.demote(seg_id)
+        for seg_id in self._segments_of(notice.reused):
+            self.policy.touch([seg_id], [0])
+
+    def _segments_of(self, ids: np.ndarray) -> list[int]:
+        """The segments in RAM holding (shard 0 of) these block ids, once each."""
+        if not ids.size:
+            return []
+        slots = self.table.find(shard_ids(ids.astype(np.uint64), 0))
+        segs = self.table.cols["seg"][slots[slots >= 0]].tolist()
+        out = dict.fromkeys(int(s) for s in segs)
+        return [s for s in out if (seg := self.segments.get(s)) is not None and seg.in_ram]
 
     def touch(self, seg_ids: list[int], hit_bytes: list[int]) -> None:
         """A read served ``hit_bytes`` from these segments, in the order of its prefix."""

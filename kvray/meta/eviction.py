@@ -99,6 +99,10 @@ class EvictionPolicy:
         """A ghost evicted here (``key``) came back in another pool: the evidence this pool's
         own traffic would have given, had it come back here."""
 
+    def demote(self, eid: int) -> None:
+        """The entry is a copy no reader sees (another pool's copy of its blocks is the one
+        read): evict it first (no effect for an unknown id)."""
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -143,6 +147,10 @@ class LRUPolicy(EvictionPolicy):
                 self.evicted_read += 1
             else:
                 self.evicted_unread += 1
+
+    def demote(self, eid: int) -> None:
+        if eid in self._od:
+            self._od.move_to_end(eid, last=False)
 
     def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
         for eid in list(self._od):
@@ -224,6 +232,7 @@ class ProbationPolicy(EvictionPolicy):
         self.ghost_hits = 0
         self.cluster_ghost_hits = 0  # put again here, the ghost remembered elsewhere
         self.ghosts_returned = 0  # ghosts of ours put again elsewhere
+        self.demoted = 0  # copies no reader sees (another pool's copy is read)
         self._evicted: list[int] = []  # keys of ghosts not yet taken (keep_evicted)
         self.keep_evicted = False  # a pool that shares its ghosts sets this
 
@@ -300,6 +309,16 @@ class ProbationPolicy(EvictionPolicy):
             self.ghosts_returned += 1
             self._came_back(key, was, 0)
 
+    def demote(self, eid: int) -> None:
+        nbytes = self._main.pop(eid, None)
+        if nbytes is not None:  # back to probation, at its head
+            self._prob[eid] = nbytes
+            self._prob_bytes += nbytes
+        elif eid not in self._prob:
+            return
+        self._prob.move_to_end(eid, last=False)
+        self.demoted += 1
+
     def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
         skipped: set[int] = set()  # not evictable now (leased): asked once per call
         while True:
@@ -327,6 +346,7 @@ class ProbationPolicy(EvictionPolicy):
             "ghost_hits": self.ghost_hits,
             "cluster_ghost_hits": self.cluster_ghost_hits,
             "ghosts_returned": self.ghosts_returned,
+            "demoted": self.demoted,
             "probation_share_pct": round(100 * self.share),
         }
 
@@ -438,7 +458,12 @@ class AdaptivePolicy(ProbationPolicy):
     def touch(self, eids: Sequence[int], hit_bytes: Sequence[int]) -> None:
         for eid, hit in zip(eids, hit_bytes, strict=True):
             slot = self._slot.get(eid)
-            if slot is not None and eid in self._main and self._rec.since(slot) > self.capacity:
+            if (
+                hit
+                and slot is not None
+                and eid in self._main
+                and self._rec.since(slot) > self.capacity
+            ):
                 self.lru_would_miss += 1
                 self._lru_would_miss(hit)
         super().touch(eids, hit_bytes)
@@ -446,6 +471,12 @@ class AdaptivePolicy(ProbationPolicy):
             slot = self._slot.get(eid)
             if slot is not None:
                 self._rec.use(slot)
+
+    def demote(self, eid: int) -> None:
+        super().demote(eid)
+        slot = self._slot.get(eid)
+        if slot is not None and eid in self._prob:
+            self._rec.seq[slot] = 0  # the oldest: ``aged`` ranks by age
 
     def remove(self, eid: int, evicted: bool = False) -> None:
         key = self._keys.get(eid, 0)

@@ -160,6 +160,24 @@ class HolderTable:
         """Location code of each id (0: not visible)."""
         return self.table.get(ids, "loc")[1]
 
+    def whole_copies(self, ids: np.ndarray) -> list[tuple[int, list[int]]]:
+        """``(id, slots)`` of each of ``ids`` that two or more pools hold whole, the slots in
+        order (readers read the first: :meth:`_multi_loc`)."""
+        if not self.multi or not ids.size:
+            return []
+        rows = self.table.find(ids)
+        found = rows >= 0
+        cols = self.table.cols
+        multi = found.copy()
+        multi[found] = cols["slot"][rows[found]] == _MULTI
+        out = []
+        for bid, row in zip(ids[multi].tolist(), rows[multi].tolist(), strict=True):
+            full = int(full_masks(cols["nshards"][row : row + 1])[0])
+            whole = sorted(s for s, m in self.multi[int(bid)].items() if m == full)
+            if len(whole) > 1:
+                out.append((int(bid), whole))
+        return out
+
     def visible(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, codes) of every visible block."""
         ids, cols = self.table.items()

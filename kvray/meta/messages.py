@@ -119,15 +119,24 @@ class ShardBatch:
         return int(self.add_ids.size + self.rm_ids.size)
 
 
+def _no_ids() -> np.ndarray:
+    return np.zeros(0, dtype=np.uint64)
+
+
 @dataclass(frozen=True)
 class GhostNotice:
-    """An index shard's answer to a pool's batch, when the cluster's ghosts have news for it:
-    keys of segments it added that were ghosts elsewhere (``promote``: they skip probation),
-    and keys of its own ghosts that came back in other pools (``returned``: its policy's
-    evidence)."""
+    """An index shard's answer to a pool's batch, when the cluster's ghosts or copies have
+    news for it (:class:`kvray.meta.news.ClusterNews`): keys of segments it added that were
+    ghosts elsewhere or copies of a block other pools hold (``promote``: they skip
+    probation), keys of its own ghosts that came back in other pools (``returned``: its
+    policy's evidence), block ids of its copies that another pool's copy hides from readers
+    (``demote``: evicted first, as they are never read), and block ids of its copies readers
+    see that another pool put again (``reused``: a read, as the put was one missed)."""
 
     promote: np.ndarray  # uint64
     returned: np.ndarray  # uint64
+    demote: np.ndarray = field(default_factory=_no_ids)  # uint64
+    reused: np.ndarray = field(default_factory=_no_ids)  # uint64
 
 
 @dataclass(frozen=True)
