@@ -286,3 +286,31 @@ def test_lease_request_and_small_reply_wire_round_trip() -> None:
             reply_from_wire(data[:cut])
     reply.segments[4] = object()  # an ObjectRef in a real reply: Ray must carry it
     assert reply_to_wire(reply) is None
+
+
+def test_id_table_find_one_agrees_with_find() -> None:
+    """The scalar probe the policies use finds what the compiled batch probe finds, present
+    ids, absent ones and ids behind tombstones alike."""
+    from kvray.meta.idtable import IdTable
+
+    rng = np.random.default_rng(5)
+    ids = np.unique(rng.integers(2, 2**63, 3000, dtype=np.uint64))
+    t = IdTable({"v": np.uint8})
+    t.upsert(ids)
+    t.delete(ids[::3])
+    probe = np.concatenate((ids, rng.integers(2, 2**63, 500, dtype=np.uint64)))
+    want = t.find(probe)
+    assert [t.find_one(int(x)) for x in probe] == want.tolist()
+    assert (want >= 0).sum() == ids.size - ids[::3].size
+    # One at a time, through rebuilds and tombstones, as a dict would.
+    model: dict[int, int] = {}
+    one = IdTable({"v": np.int32})
+    for i, x in enumerate(rng.integers(2, 400, 5000).tolist()):
+        if i % 3 == 2:
+            assert one.delete_one(x) == (model.pop(x, None) is not None)
+        else:
+            one.upsert_one(x, v=i)
+            model[x] = i
+    assert len(one) == len(model)
+    got, vals = one.get(np.array(sorted(model), dtype=np.uint64), "v")
+    assert got.all() and vals.tolist() == [model[x] for x in sorted(model)]

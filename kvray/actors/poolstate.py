@@ -5,7 +5,7 @@ pool's lock. Metadata is numpy throughout (about 110 bytes a block): a table fro
 (:func:`kvray.meta.ids.shard_ids`) to (segment, position), and per segment the full keys in one
 blob plus arrays of ids, shard numbers, sizes, checksums and read counts. Which segment RAM
 evicts first is the ``eviction_policy``'s call (:mod:`kvray.meta.eviction`: ``lru``,
-``probation`` or ``adaptive``); its bookkeeping is per segment, counted in ``meta_bytes``.
+``probation``, ``adaptive`` or ``aged``); its bookkeeping is per segment, counted in ``meta_bytes``.
 
 A segment is in one of four states, and its blocks are in the table (visible to lookups) in
 every one of them:

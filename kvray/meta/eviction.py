@@ -11,9 +11,9 @@ those it may not evict (leased).
   so a chain's tail always goes before its head.
 - ``probation``: new entries wait in a small FIFO (a tenth of the capacity) until a read moves
   them to the main LRU; what the FIFO evicts leaves a *ghost* (its first block id, in a bounded
-  ring of 9 bytes each), and an entry put again while its ghost is remembered goes straight to
-  main (S3-FIFO / 2Q). A scan of one-off prompts passes through the FIFO without flushing the
-  chains that are read again.
+  ring of 25 bytes each: :mod:`kvray.meta.admission`), and an entry put again while its ghost
+  is remembered goes straight to main (S3-FIFO / 2Q). A scan of one-off prompts passes
+  through the FIFO without flushing the chains that are read again.
 - ``adaptive``: ``probation`` whose FIFO share follows what the pool's own traffic says LRU
   would have done, priced by exact LRU stack distances over the entries and ghosts it tracks:
   a FIFO ghost put again within the capacity's worth of distance is a hit LRU would have had
@@ -38,8 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from kvray.meta.admission import MAIN, PROBATION, EntryArena, GhostRing
 from kvray.meta.ghosts import ClusterGhosts
 
 __all__ = [
@@ -166,43 +165,6 @@ class LRUPolicy(EvictionPolicy):
 
 
 # ---------------------------------------------------------------------- probation + ghosts
-class _Ghosts:
-    """First block ids of entries evicted lately, with where they were evicted from: a ring
-    of at most ``limit()`` (9 bytes each), searched with one numpy comparison."""
-
-    def __init__(self) -> None:
-        self.keys = np.zeros(64, dtype=np.uint64)
-        self.main = np.zeros(64, dtype=np.bool_)
-        self.at = 0
-
-    def add(self, key: int, main: bool, limit: int) -> None:
-        if limit > len(self.keys):
-            new = min(limit, 2 * len(self.keys))
-            keys = np.zeros(new, dtype=np.uint64)
-            where = np.zeros(new, dtype=np.bool_)
-            keys[: len(self.keys)] = self.keys
-            where[: len(self.main)] = self.main
-            self.keys, self.main = keys, where
-        i = self.at % len(self.keys)
-        self.keys[i] = np.uint64(key)
-        self.main[i] = main
-        self.at = i + 1
-
-    def pop(self, key: int) -> bool | None:
-        """Where the ghost of ``key`` was evicted from (True: main), forgetting it; None when
-        there is none."""
-        at = np.flatnonzero(self.keys == np.uint64(key))
-        if not at.size:
-            return None
-        i = int(at[-1])
-        self.keys[i] = 0
-        return bool(self.main[i])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.main.nbytes)
-
-
 class ProbationPolicy(EvictionPolicy):
     """New entries wait in a small FIFO (*probation*, a share ``p`` of the capacity); one
     read moves an entry to the main LRU; what probation evicts leaves a *ghost*, and an entry
@@ -211,8 +173,8 @@ class ProbationPolicy(EvictionPolicy):
     Reads touch a chain's tail first and its head last, so within either
     queue a chain's tail goes before its head.
 
-    Per entry an ``OrderedDict`` item (id -> bytes, signed: negative in probation); per ghost
-    9 bytes, at most ``ghosts`` per entry in RAM."""
+    Bookkeeping in numpy (:mod:`kvray.meta.admission`): a row of ~45 bytes and ~40 bytes of id
+    tables per entry, 25 bytes per ghost, at most ``ghosts`` per entry."""
 
     name = "probation"
 
@@ -220,12 +182,9 @@ class ProbationPolicy(EvictionPolicy):
         self.capacity = max(1, int(capacity))
         self.share = share
         self._ghosts_per_entry = ghosts
-        self._prob: OrderedDict[int, int] = OrderedDict()  # eid -> bytes, oldest first
-        self._main: OrderedDict[int, int] = OrderedDict()  # eid -> bytes, least recent first
-        self._prob_bytes = 0
-        self._keys: dict[int, int] = {}  # eid -> first block id
-        self._eid_of: dict[int, int] = {}  # first block id -> eid (for the cluster's news)
-        self._ghosts = _Ghosts()
+        self._arena = EntryArena()
+        self._ghosts = GhostRing()
+        self._now = 0  # the last use's sequence number (a use is an insertion or a read)
         self.evicted_unread = 0  # from probation: never read
         self.evicted_read = 0  # from main
         self.promoted = 0  # read in probation: moved to main
@@ -237,47 +196,50 @@ class ProbationPolicy(EvictionPolicy):
         self.keep_evicted = False  # a pool that shares its ghosts sets this
 
     def __len__(self) -> int:
-        return len(self._prob) + len(self._main)
+        return len(self._arena)
+
+    @property
+    def _prob_bytes(self) -> int:
+        return self._arena.bytes[PROBATION]
+
+    def _use(self, r: int) -> None:
+        self._now += 1
+        self._arena.seq[r] = self._now
 
     def insert(self, eid: int, nbytes: int, nblocks: int, key: int = 0) -> None:
         self.remove(eid)
         nbytes = max(1, int(nbytes))
         was = self._ghosts.pop(key) if key else None
-        if key:
-            self._keys[eid] = key
-            self._eid_of[key] = eid
-        if was is None:
-            self._prob[eid] = nbytes
-            self._prob_bytes += nbytes
-            return
-        self.ghost_hits += 1
-        self._came_back(key, was, nbytes)
-        self._main[eid] = nbytes
+        if was is not None:  # its distance is measured before it is tracked again
+            self.ghost_hits += 1
+            self._came_back(was, nbytes)
+        self._now += 1
+        self._arena.add(eid, nbytes, key, self._now, PROBATION if was is None else MAIN)
 
-    def _came_back(self, key: int, from_main: bool, nbytes: int) -> None:
-        """An entry was put again while its ghost (evicted from main, or from probation) was
+    def _came_back(self, ghost: tuple[bool, int, int], nbytes: int) -> None:
+        """An entry was put again while its ghost ``(main, last use, bytes)`` was
         remembered."""
 
     def touch(self, eids: Sequence[int], hit_bytes: Sequence[int]) -> None:
+        a = self._arena
         for eid in reversed(eids):  # the head ends most recent: tails go first
-            nbytes = self._prob.pop(eid, None)
-            if nbytes is not None:
-                self._prob_bytes -= nbytes
-                self._main[eid] = nbytes
+            r = a.row(eid)
+            if r < 0:
+                continue
+            if int(a.queue[r]) == PROBATION:
                 self.promoted += 1
-            elif eid in self._main:
-                self._main.move_to_end(eid)
+            a.unlink(r)
+            a.append(r, MAIN)
+            self._use(r)
 
     def remove(self, eid: int, evicted: bool = False) -> None:
-        key = self._keys.pop(eid, 0)
-        if key and self._eid_of.get(key) == eid:
-            del self._eid_of[key]
-        nbytes = self._prob.pop(eid, None)
-        main = nbytes is None
-        if nbytes is not None:
-            self._prob_bytes -= nbytes
-        elif self._main.pop(eid, None) is None:
+        a = self._arena
+        r = a.row(eid)
+        if r < 0:
             return
+        key, main = int(a.key[r]), int(a.queue[r]) == MAIN
+        seq, nbytes = int(a.seq[r]), int(a.nbytes[r])
+        a.free(r)
         if not evicted:
             return
         if main:
@@ -285,7 +247,8 @@ class ProbationPolicy(EvictionPolicy):
         else:
             self.evicted_unread += 1
         if key:
-            self._ghosts.add(key, main, max(64, self._ghosts_per_entry * len(self)))
+            limit = max(64, self._ghosts_per_entry * len(self))
+            self._ghosts.add(key, main, limit, seq, nbytes)
             if self.keep_evicted:
                 self._evicted.append(key)
 
@@ -294,12 +257,12 @@ class ProbationPolicy(EvictionPolicy):
         return out
 
     def promote(self, key: int) -> bool:
-        eid = self._eid_of.get(key)
-        nbytes = self._prob.pop(eid, None) if eid is not None else None
-        if nbytes is None:
+        a = self._arena
+        r = a.row_of_key(key)
+        if r < 0 or int(a.queue[r]) != PROBATION:
             return False
-        self._prob_bytes -= nbytes
-        self._main[eid] = nbytes
+        a.unlink(r)
+        a.append(r, MAIN)
         self.cluster_ghost_hits += 1
         return True
 
@@ -307,36 +270,42 @@ class ProbationPolicy(EvictionPolicy):
         was = self._ghosts.pop(key)
         if was is not None:
             self.ghosts_returned += 1
-            self._came_back(key, was, 0)
+            self._came_back(was, 0)
 
     def demote(self, eid: int) -> None:
-        nbytes = self._main.pop(eid, None)
-        if nbytes is not None:  # back to probation, at its head
-            self._prob[eid] = nbytes
-            self._prob_bytes += nbytes
-        elif eid not in self._prob:
+        a = self._arena
+        r = a.row(eid)
+        if r < 0:
             return
-        self._prob.move_to_end(eid, last=False)
+        a.unlink(r)  # to probation's head: the first to go
+        a.push_front(r, PROBATION)
+        a.seq[r] = 0  # the oldest use: ``aged`` ranks by age
         self.demoted += 1
+
+    def _skip(self, skipped: set[int], evictable: Callable[[int], bool], queue: int) -> int:
+        """The oldest evictable row of ``queue`` (-1: none), adding the others to
+        ``skipped``."""
+        a = self._arena
+        for r in a.oldest(queue, skipped):
+            eid = int(a.eid[r])
+            if evictable(eid):
+                return r
+            skipped.add(eid)
+        return -1
 
     def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
         skipped: set[int] = set()  # not evictable now (leased): asked once per call
+        a = self._arena
         while True:
-            prob_first = self._prob_bytes > self.share * self.capacity or not self._main
-            found = None
-            for queue in (self._prob, self._main) if prob_first else (self._main, self._prob):
-                for eid in queue:
-                    if eid in skipped:
-                        continue
-                    if evictable(eid):
-                        found = eid
-                        break
-                    skipped.add(eid)
-                if found is not None:
+            prob_first = self._prob_bytes > self.share * self.capacity or not a.count[MAIN]
+            found = -1
+            for queue in (PROBATION, MAIN) if prob_first else (MAIN, PROBATION):
+                found = self._skip(skipped, evictable, queue)
+                if found >= 0:
                     break
-            if found is None:
+            if found < 0:
                 return
-            yield found
+            yield int(a.eid[found])
 
     def stats(self) -> dict[str, int]:
         return {
@@ -351,62 +320,15 @@ class ProbationPolicy(EvictionPolicy):
         }
 
     def meta_nbytes(self) -> int:
-        # An OrderedDict item and a dict item with their ints: 257 B (tracemalloc, 20,000
-        # entries), a second dict item (~100 B: key -> entry), plus the ghosts' ring.
-        return 357 * len(self) + self._ghosts.nbytes
+        return self._arena.size + self._ghosts.size
 
 
 # ---------------------------------------------------------------------- adaptive
-class _Recency:
-    """When each tracked item (an entry in RAM, or a ghost) was last used, with its bytes, in
-    numpy slots: an item's LRU stack distance (the bytes of every tracked item used since) is
-    one comparison and one sum."""
-
-    def __init__(self) -> None:
-        self.seq = np.full(64, -1, dtype=np.int64)
-        self.nbytes = np.zeros(64, dtype=np.float64)
-        self._free = list(range(63, -1, -1))
-        self._now = 0
-
-    def add(self, nbytes: int) -> int:
-        if not self._free:
-            n = len(self.seq)
-            self.seq = np.concatenate([self.seq, np.full(n, -1, dtype=np.int64)])
-            self.nbytes = np.concatenate([self.nbytes, np.zeros(n)])
-            self._free = list(range(2 * n - 1, n - 1, -1))
-        slot = self._free.pop()
-        self.nbytes[slot] = nbytes
-        self.use(slot)
-        return slot
-
-    def use(self, slot: int) -> None:
-        self._now += 1
-        self.seq[slot] = self._now
-
-    @property
-    def now(self) -> int:
-        """The last use's sequence number (a use is an insertion or a read)."""
-        return self._now
-
-    def since(self, slot: int) -> float:
-        """Bytes of the items used after ``slot`` last was."""
-        return float(self.nbytes[self.seq > self.seq[slot]].sum())
-
-    def drop(self, slot: int) -> None:
-        self.seq[slot] = -1
-        self.nbytes[slot] = 0
-        self._free.append(slot)
-
-    @property
-    def size(self) -> int:
-        return int(self.seq.nbytes + self.nbytes.nbytes)
-
-
 class AdaptivePolicy(ProbationPolicy):
     """``probation`` whose FIFO share (between ``low`` and ``high``, starting at ``low``)
     follows what one LRU of the same capacity would have done with the pool's own traffic. The
-    stack distance of an entry or a ghost is the bytes of every tracked item used since it was
-    (:class:`_Recency`), so LRU would hold it again iff that is at most the capacity:
+    stack distance of an entry or a ghost is the bytes of every tracked item (entries and
+    ghosts) used since it was, so LRU would hold it again iff that is at most the capacity:
 
     - a ghost evicted from probation put again within the capacity is a hit LRU would have
       had and probation lost: the share grows by the entry's part of the capacity;
@@ -415,8 +337,7 @@ class AdaptivePolicy(ProbationPolicy):
 
     A tight cache, where what is reused comes back after more than its capacity of traffic,
     keeps the doorkeeper; a roomy one, where LRU would have held the one-off puts' next use,
-    drifts towards recency. Bookkeeping over ``probation``: a numpy slot (16 bytes) and a dict
-    item per entry and per ghost."""
+    drifts towards recency. Bookkeeping: that of ``probation``."""
 
     name = "adaptive"
 
@@ -425,20 +346,17 @@ class AdaptivePolicy(ProbationPolicy):
     ) -> None:
         super().__init__(capacity, share=low, ghosts=ghosts)
         self.low, self.high = low, high
-        self._rec = _Recency()
-        self._slot: dict[int, int] = {}  # eid -> slot
-        self._ghost_slot: dict[int, int] = {}  # ghost key -> slot, oldest first
         self.lru_would_hit = 0  # probation's misses LRU would have hit
         self.lru_would_miss = 0  # main's hits LRU would have missed
 
-    def _came_back(self, key: int, from_main: bool, nbytes: int) -> None:
-        slot = self._ghost_slot.pop(key, None)
-        if slot is None:
-            return
-        if not from_main and self._rec.since(slot) <= self.capacity:
+    def _since(self, seq: int) -> int:
+        return self._arena.since(seq) + self._ghosts.since(seq)
+
+    def _came_back(self, ghost: tuple[bool, int, int], nbytes: int) -> None:
+        main, seq, ghost_bytes = ghost
+        if not main and seq >= 0 and self._since(seq) <= self.capacity:
             self.lru_would_hit += 1
-            self._lru_would_hit(nbytes or float(self._rec.nbytes[slot]))  # 0: its ghost's size
-        self._rec.drop(slot)
+            self._lru_would_hit(nbytes or ghost_bytes)  # 0: its ghost's size
 
     def _lru_would_hit(self, nbytes: float) -> None:
         """Probation lost ``nbytes`` that LRU would have kept: the FIFO grows."""
@@ -448,52 +366,14 @@ class AdaptivePolicy(ProbationPolicy):
         """Main served ``nbytes`` that LRU would have lost: the FIFO shrinks."""
         self.share = max(self.low, self.share - nbytes / self.capacity)
 
-    def insert(self, eid: int, nbytes: int, nblocks: int, key: int = 0) -> None:
-        super().insert(eid, nbytes, nblocks, key)
-        stale = self._ghost_slot.pop(key, None) if key else None  # the ring forgot it
-        if stale is not None:
-            self._rec.drop(stale)
-        self._slot[eid] = self._rec.add(max(1, int(nbytes)))
-
     def touch(self, eids: Sequence[int], hit_bytes: Sequence[int]) -> None:
+        a = self._arena
         for eid, hit in zip(eids, hit_bytes, strict=True):
-            slot = self._slot.get(eid)
-            if (
-                hit
-                and slot is not None
-                and eid in self._main
-                and self._rec.since(slot) > self.capacity
-            ):
+            r = a.row(eid) if hit else -1
+            if r >= 0 and int(a.queue[r]) == MAIN and self._since(int(a.seq[r])) > self.capacity:
                 self.lru_would_miss += 1
                 self._lru_would_miss(hit)
         super().touch(eids, hit_bytes)
-        for eid in reversed(eids):  # the head used last, as the queues order them
-            slot = self._slot.get(eid)
-            if slot is not None:
-                self._rec.use(slot)
-
-    def demote(self, eid: int) -> None:
-        super().demote(eid)
-        slot = self._slot.get(eid)
-        if slot is not None and eid in self._prob:
-            self._rec.seq[slot] = 0  # the oldest: ``aged`` ranks by age
-
-    def remove(self, eid: int, evicted: bool = False) -> None:
-        key = self._keys.get(eid, 0)
-        slot = self._slot.pop(eid, None)
-        super().remove(eid, evicted)
-        if slot is None:
-            return
-        if not (evicted and key):
-            self._rec.drop(slot)
-            return
-        old = self._ghost_slot.pop(key, None)
-        if old is not None:
-            self._rec.drop(old)
-        self._ghost_slot[key] = slot
-        limit = max(64, self._ghosts_per_entry * len(self))
-        while len(self._ghost_slot) > limit:
-            self._rec.drop(self._ghost_slot.pop(next(iter(self._ghost_slot))))
 
     def stats(self) -> dict[str, int]:
         return {
@@ -501,11 +381,6 @@ class AdaptivePolicy(ProbationPolicy):
             "lru_would_hit": self.lru_would_hit,
             "lru_would_miss": self.lru_would_miss,
         }
-
-    def meta_nbytes(self) -> int:
-        # Two dict items with their ints (~100 B each, as above) and the numpy slots.
-        tracked = len(self._slot) + len(self._ghost_slot)
-        return super().meta_nbytes() + 100 * tracked + self._rec.size
 
 
 class AgedPolicy(AdaptivePolicy):
@@ -524,7 +399,7 @@ class AgedPolicy(AdaptivePolicy):
     Unlike a FIFO share, the weight reaches LRU itself, so a roomy cache does not pay for the
     doorkeeper; it starts above 1 because exact LRU gives no evidence either way (nothing it
     keeps is read from beyond its capacity, nothing it evicts from probation comes back within
-    it). Bookkeeping: that of ``adaptive``."""
+    it). Bookkeeping: that of ``probation``."""
 
     name = "aged"
 
@@ -560,28 +435,19 @@ class AgedPolicy(AdaptivePolicy):
 
     def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
         skipped: set[int] = set()  # not evictable now (leased): asked once per call
-
-        def oldest(queue: OrderedDict[int, int]) -> int | None:
-            for eid in queue:
-                if eid in skipped:
-                    continue
-                if evictable(eid):
-                    return eid
-                skipped.add(eid)
-            return None
-
+        a = self._arena
         while True:
-            prob, main = oldest(self._prob), oldest(self._main)
-            if prob is None or main is None:
-                found = main if prob is None else prob
-                if found is None:
+            prob = self._skip(skipped, evictable, PROBATION)
+            main = self._skip(skipped, evictable, MAIN)
+            if prob < 0 or main < 0:
+                found = main if prob < 0 else prob
+                if found < 0:
                     return
-                yield found
+                yield int(a.eid[found])
                 continue
-            rec = self._rec
-            age_prob = rec.now - int(rec.seq[self._slot[prob]])
-            age_main = rec.now - int(rec.seq[self._slot[main]])
-            yield prob if age_prob * self.weight >= age_main else main
+            age_prob = self._now - int(a.seq[prob])
+            age_main = self._now - int(a.seq[main])
+            yield int(a.eid[prob if age_prob * self.weight >= age_main else main])
 
     def stats(self) -> dict[str, int]:
         out = super().stats()

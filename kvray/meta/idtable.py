@@ -29,6 +29,9 @@ from kvray.meta.ids import TOMB
 __all__ = ["IdTable", "warm_up"]
 
 _MIN_CAPACITY = 64
+#: :mod:`kvray.meta.idloops`' multiplier (Fibonacci hashing), for :meth:`IdTable.find_one`.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 
 @functools.cache
@@ -154,6 +157,21 @@ class IdTable:
         _k().find(s.keys, s.shift, ids, out)
         return out
 
+    def find_one(self, x: int) -> int:
+        """Slot of one id, or -1: the probe of :meth:`find` in Python, ~5x faster for one
+        id than an array call (a policy's per-entry lookups)."""
+        s = self._s
+        keys = s.keys
+        mask = keys.size - 1
+        p = ((x * _GOLDEN) & _MASK64) >> int(s.shift)
+        while True:
+            k = int(keys[p])
+            if k == x:
+                return p
+            if k == 0:
+                return -1
+            p = (p + 1) & mask
+
     def contains(self, ids: np.ndarray) -> np.ndarray:
         return self.find(ids) >= 0
 
@@ -208,6 +226,40 @@ class IdTable:
         for name, value in values.items():
             s.cols[name][slots] = value
         return slots, new
+
+    def upsert_one(self, x: int, **values: int) -> int:
+        """:meth:`upsert` of one id, probed in Python (a policy's per-entry inserts); its
+        slot."""
+        if x <= TOMB:
+            raise ValueError("IdTable: ids 0 and 1 are reserved")
+        slot = self.find_one(x)
+        if slot < 0:
+            self._reserve(1)
+            s = self._s
+            keys = s.keys
+            mask = keys.size - 1
+            p = ((x * _GOLDEN) & _MASK64) >> int(s.shift)
+            while int(keys[p]) != 0:  # tombstones are not reused before a rebuild
+                p = (p + 1) & mask
+            keys[p] = x
+            self._live += 1
+            self._used += 1
+            slot = p
+        cols = self._s.cols
+        for name, value in values.items():
+            cols[name][slot] = value
+        return slot
+
+    def delete_one(self, x: int) -> bool:
+        """:meth:`delete` of one id; whether it was present."""
+        slot = self.find_one(x)
+        if slot < 0:
+            return False
+        self._s.keys[slot] = TOMB
+        self._live -= 1
+        if self._live == 0:
+            self.clear()
+        return True
 
     def delete(self, ids: np.ndarray) -> np.ndarray:
         """Remove ids; returns which were present."""
