@@ -413,6 +413,8 @@ def main() -> None:
                     shards = [x for x in r["stats"]["index"]["shards"] if "error" not in x]
                     for k in ("multi_holder_blocks", "duplicate_segments"):  # copies at the end
                         reasons[f"index_{k}"] = sum(int(x.get(k, 0)) for x in shards)
+                    # The pools' metadata (segments, id tables, the policy) a block of capacity.
+                    reasons["pool_meta_bytes_per_block"] = round(s.get("meta_bytes", 0) / cap, 1)
                     for k in [k for k in reasons if k.endswith("_pct")]:  # a mean, not a sum
                         reasons[k] = round(reasons[k] / max(1, len(pools)))
                     print(
