@@ -265,3 +265,12 @@ def test_store_api_probation_keeps_a_read_chain_through_a_scan(
             assert sum(p["policy_evicted_unread"] for p in pools) > 0
         else:
             assert held < 4
+
+
+def test_requests_together_do_not_see_each_others_puts() -> None:
+    """``together``: a request repeating the one before it hits only when they ran in
+    different groups (engines working at once miss what the other is putting)."""
+    reqs = [[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]]
+    assert simulate(reqs, 100, "lru").hit_blocks == 9
+    assert simulate(reqs, 100, "lru", together=2).hit_blocks == 6  # the 2nd of each pair
+    assert simulate(reqs, 100, "lru", together=4).hit_blocks == 0

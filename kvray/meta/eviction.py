@@ -492,6 +492,7 @@ def simulate(
     placement: str = "own",
     shared_ghosts: bool = False,
     chunk: int = 0,
+    together: int = 1,
 ) -> SimResult:
     """Replay requests (chains of block ids) through one cache of ``capacity_blocks`` blocks
     of one byte each ruled by ``policy``: each request hits the longest cached prefix, reads
@@ -507,7 +508,10 @@ def simulate(
     With ``shared_ghosts``, the pools' ghosts are one cluster's (as the index shards keep them,
     :class:`kvray.meta.ghosts.ClusterGhosts`): an entry put while another pool remembers its
     ghost is promoted, and that pool gets the evidence. ``chunk`` > 0 cuts a put into entries
-    of at most that many blocks (a pool's ``segment_bytes``), inserted tail first."""
+    of at most that many blocks (a pool's ``segment_bytes``), inserted tail first.
+    ``together`` > 1 runs requests in groups of that many that do not see each other's puts
+    (engines working at once, as the concurrent replay's rounds): a request misses a block an
+    earlier one of its group put, and does not put it again."""
     if nodes > 1 and not isinstance(policy, str):
         raise ValueError("simulate: several nodes need a policy name (one policy each)")
     if placement not in ("own", "home"):
@@ -527,10 +531,13 @@ def simulate(
     def evictable(eid: int) -> bool:
         return True
 
+    fresh: set[int] = set()  # put by an earlier request of the current group: not seen yet
     for i, req in enumerate(requests):
+        if together > 1 and i % together == 0:
+            fresh.clear()
         n = 0
         for x in req:
-            if x not in where:
+            if x not in where or x in fresh:
                 break
             n += 1
         hit += n
@@ -582,6 +589,8 @@ def simulate(
             blocks_of[eid] = group
             for x in group:
                 where[x] = (me, eid)
+            if together > 1:
+                fresh.update(group)
             used[me] += len(group)
             max_used = max(max_used, used[me])
             pol.insert(eid, len(group), len(group), key=group[0] + 2)
