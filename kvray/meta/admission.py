@@ -32,6 +32,24 @@ __all__ = ["MAIN", "PROBATION", "EntryArena", "GhostRing"]
 PROBATION, MAIN = 1, 2
 _NONE = -1
 _FIRST_ROWS = 64
+#: Each array's value where nothing is stored (what growth fills the new part with).
+_ROW_FILLS = (
+    ("prev", _NONE),
+    ("next", _NONE),
+    ("seq", -1),
+    ("queue", 0),
+    ("nbytes", 0),
+    ("key", 0),
+    ("eid", 0),
+)
+_GHOST_FILLS = (("keys", 0), ("main", 0), ("seq", -1), ("nbytes", 0))
+
+
+def _grown(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+    """``a`` extended to ``size`` elements, the new ones ``fill``."""
+    out = np.full(size, fill, dtype=a.dtype)
+    out[: a.size] = a
+    return out
 
 
 class EntryArena:
@@ -150,12 +168,8 @@ class EntryArena:
 
     def _grow(self) -> None:
         n = len(self.prev)
-        for name, fill in (("prev", _NONE), ("next", _NONE), ("seq", -1)):
-            old = getattr(self, name)
-            setattr(self, name, np.concatenate([old, np.full(n, fill, dtype=old.dtype)]))
-        for name in ("queue", "nbytes", "key", "eid"):
-            old = getattr(self, name)
-            setattr(self, name, np.concatenate([old, np.zeros(n, dtype=old.dtype)]))
+        for name, fill in _ROW_FILLS:
+            setattr(self, name, _grown(getattr(self, name), 2 * n, fill))
         self._free = np.concatenate(
             [np.arange(2 * n - 1, n - 1, -1, dtype=np.int32), np.zeros(n, dtype=np.int32)]
         )
@@ -190,14 +204,8 @@ class GhostRing:
         self._clear(np.flatnonzero(self.keys == np.uint64(key)))  # one ghost a key
         if limit > len(self.keys):
             new = min(limit, 2 * len(self.keys))
-            size = len(self.keys)
-            for name in ("keys", "main", "seq", "nbytes"):
-                old = getattr(self, name)
-                grown = np.full(new, -1, dtype=old.dtype) if name == "seq" else None
-                if grown is None:
-                    grown = np.zeros(new, dtype=old.dtype)
-                grown[:size] = old
-                setattr(self, name, grown)
+            for name, fill in _GHOST_FILLS:
+                setattr(self, name, _grown(getattr(self, name), new, fill))
         i = self.at % len(self.keys)
         self.keys[i], self.main[i], self.seq[i], self.nbytes[i] = key, main, seq, nbytes
         self.at = i + 1
