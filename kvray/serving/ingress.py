@@ -29,12 +29,22 @@ from kvray.errors import KVRayError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PORT", "Ingress", "close_ingress", "open_ingress", "serving", "stop_serve"]
+__all__ = [
+    "DEFAULT_PORT",
+    "Ingress",
+    "close_ingress",
+    "open_ingress",
+    "serving",
+    "stop_serve",
+    "wait_routed",
+]
 
 #: Serve's own default HTTP port.
 DEFAULT_PORT = 8000
 #: How long :func:`stop_serve` waits for Serve's actors (its proxies) to be gone.
 STOP_TIMEOUT_S = 30.0
+#: How long :func:`serving` waits for the proxy to route to an app ``serve.run`` deployed.
+ROUTE_TIMEOUT_S = 60.0
 _ANY_HOST = ("0.0.0.0", "::", "")
 
 
@@ -160,6 +170,36 @@ def close_ingress(ingress: Ingress, app_name: str) -> None:
                 stop_serve()
 
 
+def wait_routed(ingress: Ingress, app_name: str, timeout_s: float = ROUTE_TIMEOUT_S) -> None:
+    """Wait until Serve's proxy at ``ingress`` routes ``/`` to ``app_name`` (its
+    ``/-/routes``): ``serve.run`` returns once the app's replicas are up, and a proxy started
+    or restarted just before may answer 404 for a moment after. :class:`KVRayError` if it
+    does not within ``timeout_s``."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    host = "127.0.0.1" if ingress.host in _ANY_HOST else ingress.host
+    url = f"http://{host}:{ingress.port}/-/routes"
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                routes = json.loads(r.read() or b"{}")
+            if isinstance(routes, dict) and routes.get("/") == app_name:
+                return
+            last = f"routes {routes}"
+        except (OSError, ValueError) as e:  # not listening yet, or not JSON yet
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() > deadline:
+            raise KVRayError(
+                f"kvray serve: Serve's proxy at {host}:{ingress.port} does not route to "
+                f"{app_name!r} {timeout_s:.0f} s after it was deployed ({last})"
+            )
+        time.sleep(0.2)
+
+
 @contextmanager
 def serving(
     app: Any,
@@ -183,6 +223,7 @@ def serving(
             serve.run(app, name=app_name, route_prefix="/")
         except RuntimeError as e:
             raise KVRayError(f"kvray serve: the app did not start: {e}") from e
+        wait_routed(ingress, app_name)
         yield ingress
     finally:
         close_ingress(ingress, app_name)
