@@ -198,6 +198,11 @@ class Store:
         workers store their TP shard of each block under the block's key."""
         return self.io.put(keys, ids, shard, num_shards, blocks)
 
+    def put_cpu_seconds(self) -> float:
+        """CPU seconds this process' put threads have spent on this store's puts so far: what
+        the background half of a put takes from the writer's process."""
+        return self.io.put_cpu_seconds()
+
     # ------------------------------------------------------------------ gets
     def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[np.ndarray]:
         """Copies of the blocks' bytes (uint8 arrays), all or :class:`BlockLostError`."""

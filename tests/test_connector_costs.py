@@ -364,3 +364,44 @@ def test_auto_doorkeeper_stores_first_sightings_only_while_they_pay(harness_fact
     assert computed(prompt(6 * BLOCK_SIZE + 4, seed=45)) == 6  # stored at its first sighting
     assert sc.sightings.skipped_blocks == skipped
     tcs.assert_scheduler_empty(h)
+
+
+def test_a_store_is_priced_by_what_it_takes_from_the_engine_not_by_its_pools_answer(
+    harness_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's price (``store_seen_only="auto"``'s ``S``) is what the engine's process
+    spends on it: the gather and hand-off on the engine thread and the put threads' CPU. A
+    pool that answers 1.5 s late makes the store no dearer: no request waits for a store."""
+    import threading
+    from concurrent.futures import Future
+
+    h = harness_factory(load_mode="sync", store_seen_only="auto")
+    sc = h.sconn
+    store = h.worker.worker.handler.store
+    put_shard = store.put_shard
+
+    def late_put_shard(*args: Any, **kwargs: Any) -> Any:
+        inner = put_shard(*args, **kwargs)
+        outer: Future[Any] = Future()
+
+        def answer() -> None:
+            try:
+                outer.set_result(inner.result())
+            except Exception as e:  # pragma: no cover - the real put failed
+                outer.set_exception(e)
+
+        threading.Timer(SLOW_S, answer).start()
+        return outer
+
+    monkeypatch.setattr(store, "put_shard", late_put_shard)
+    p = prompt(6 * BLOCK_SIZE + 4, seed=51)
+    t0 = time.monotonic()
+    h.add(p)
+    h.settle()
+    assert time.monotonic() - t0 >= SLOW_S  # the store job waited for the late answer
+    h.step()  # its counters reach the scheduler side
+    assert sc.counters.stored_blocks >= 6
+    per = sc.pricing.store_s_per_token.value(time.monotonic())
+    assert per is not None and per > 0.0  # measured
+    # the whole prompt's store priced at well under the wait for its pool's answer
+    assert per * 6 * BLOCK_SIZE < SLOW_S / 4, per

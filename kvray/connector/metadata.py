@@ -106,8 +106,9 @@ class TransferCounters:
     refused_blocks: int = 0
     dropped_blocks: int = 0
     stored_bytes: int = 0
-    #: Seconds from a store piece's gather to its pool's acknowledgement, and the blocks of
-    #: those pieces (what a store costs here, for ``store_seen_only="auto"``).
+    #: Seconds the store pieces took from the engine's process (the gather and hand-off on
+    #: the engine thread, the put threads' CPU), and the blocks of those pieces (what a store
+    #: costs here, for ``store_seen_only="auto"``).
     store_seconds: float = 0.0
     store_timed_blocks: int = 0
 

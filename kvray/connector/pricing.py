@@ -11,8 +11,10 @@ Fed only from what vLLM and kvray already report, no extra forward pass and no R
   for the load jobs it completed, with the tier each came from (the pool on this engine's
   node, or another) and its tokens, as planned;
 - **queue**: the prompt tokens not computed yet of every request the connector tracks;
-- **stores**: the seconds from each store piece's gather to its pool's acknowledgement, per
-  token (a decayed mean weighted by blocks; never published).
+- **stores**: what each store piece takes from the engine's process, per token: the engine
+  thread's gather and hand-off, and the CPU its put threads spend copying it into Ray (not the
+  wait for the pool's acknowledgement: the request never waits for a store); a decayed mean
+  weighted by blocks, never published.
 
 From them :meth:`Pricing.tokens_to_load` says how much of a hit pays to load, and
 :attr:`Pricing.published` is what the engine tier's heartbeat carries to routers. Until the
@@ -66,7 +68,8 @@ class Pricing:
         self.clock = clock
         self.engine = EngineCosts()
         self.costs = Costs()
-        #: Seconds a store takes per token, gather to acknowledgement.
+        #: Seconds a store takes from the engine's process per token (gather, hand-off, the
+        #: put threads' CPU).
         self.store_s_per_token = Decayed()
         #: What the engine tier publishes (:meth:`Costs.to_wire`; empty until warm).
         self.published: tuple[float, ...] = ()
@@ -179,7 +182,8 @@ class Pricing:
         return tokens_to_load([("local", tokens)], self.costs) > 0
 
     def stores_done(self, seconds: float, blocks: int) -> None:
-        """Store pieces of ``blocks`` blocks in all took ``seconds`` (summed) to be owned."""
+        """Store pieces of ``blocks`` blocks in all took ``seconds`` (summed) of the engine's
+        process."""
         if blocks > 0 and seconds > 0:
             per = seconds / (blocks * self.block_size)
             self.store_s_per_token.observe(per, self.clock(), weight=float(blocks))

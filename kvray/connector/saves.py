@@ -50,8 +50,8 @@ class Outbox:
     def count_put(
         self, n: int, result: PutResult | None, block_nbytes: int, seconds: float = 0.0
     ) -> None:
-        """One put of ``n`` blocks ended (``None``: it failed) ``seconds`` after its gather
-        began."""
+        """One put of ``n`` blocks ended (``None``: it failed); it took ``seconds`` from the
+        engine's process (the engine thread's gather and hand-off, the put threads' CPU)."""
         with self.lock:
             c = self.meta.counters
             if result is None:
@@ -166,6 +166,8 @@ class StorePath:
     def __post_init__(self) -> None:
         self.block_nbytes = self.key_space.block_nbytes
         self.puts = PutTracker(self.outbox)
+        self._cpu_lock = threading.Lock()
+        self._cpu_seen = self.store.put_cpu_seconds()
 
     def submit(self, job_id: JobId, spec: StoreSpec) -> None:
         """Gather the job's blocks into staging (in pieces that fit) and put them; a piece
@@ -210,11 +212,14 @@ class StorePath:
             if lease is not None:
                 lease.release()
             return None
-        fut.add_done_callback(lambda f: self._put_done(b - a, f, lease, t0))
+        # The engine thread's share of the store: its gather and the hand-off (a small put's
+        # call is sent from here). The put threads' CPU is added as each piece ends.
+        held = time.perf_counter() - t0
+        fut.add_done_callback(lambda f: self._put_done(b - a, f, lease, held))
         return fut
 
     def _put_done(
-        self, n: int, fut: Future[PutResult], lease: StagingLease | None, t0: float
+        self, n: int, fut: Future[PutResult], lease: StagingLease | None, held: float
     ) -> None:
         if lease is not None:
             lease.release()  # the staging rows are reusable once Ray owns a copy
@@ -223,4 +228,7 @@ class StorePath:
         except Exception as e:
             logger.warning("kvray: a put of %d blocks failed: %s", n, e)
             result = None
-        self.outbox.count_put(n, result, self.block_nbytes, time.perf_counter() - t0)
+        with self._cpu_lock:  # the put threads' CPU since the last piece ended (in total, theirs)
+            now = self.store.put_cpu_seconds()
+            cpu, self._cpu_seen = max(0.0, now - self._cpu_seen), now
+        self.outbox.count_put(n, result, self.block_nbytes, held + cpu)
