@@ -248,13 +248,13 @@ class KVRayConfig:
     price_loads: bool = False
     #: Connector: store a prompt's blocks only where an earlier prompt on this engine had them
     #: too (a doorkeeper: a prefix computed once is not stored, computed again it is); what a
-    #: request decodes is stored when a later prompt holds it. False (default): every computed
-    #: block is stored. ``"auto"``: a prompt's first sightings are stored too while that pays
-    #: by what the engine measures (the share of first sightings a later prompt needs again
-    #: beyond vLLM's cache, their recompute, a store and a load of them;
+    #: request decodes is stored when a later prompt holds it. ``"auto"`` (default): a
+    #: prompt's first sightings are stored too while that pays by what the engine measures
+    #: (the share of first sightings a later prompt needs again beyond vLLM's cache, their
+    #: recompute, what a store takes from the engine and a load of them;
     #: :meth:`~kvray.connector.pricing.Pricing.first_sightings_pay`); every block is stored
-    #: until those are measured (issue 32).
-    store_seen_only: bool | str = False
+    #: until those are measured (issue 32). False: every computed block is stored.
+    store_seen_only: bool | str = "auto"
     #: Connector: bytes of reusable staging buffers per worker for saves and loads.
     staging_bytes: int = 256 << 20
     #: Connector: blocks a request fills while it decodes are stored once this many are full

@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         kvray_transfer_config,
     )
 
-    kw = engine_kwargs(
-        args.model, kv_transfer_config=kvray_transfer_config(args.namespace), tp=args.tp
-    )
+    # what one TP size computes once the other loads (stored at its first sighting)
+    ktc = kvray_transfer_config(args.namespace, store_seen_only=False)
+    kw = engine_kwargs(args.model, kv_transfer_config=ktc, tp=args.tp)
     if args.tp > 1:
         kw["distributed_executor_backend"] = "mp"
     llm = LLM(**kw)

@@ -78,7 +78,9 @@ def kv_engine(
     from vllm import LLM
 
     ns = f"e2e{uuid.uuid4().hex[:8]}"
-    ktc = kvray_transfer_config(ns, capacity="128MiB", get_timeout_s=10)
+    # the tests store a prompt at its first computation and load it at its second ("auto"
+    # would not store it by this tiny model's costs)
+    ktc = kvray_transfer_config(ns, capacity="128MiB", get_timeout_s=10, store_seen_only=False)
     llm = LLM(**engine_kwargs(tiny_model, kv_transfer_config=ktc))
     try:
         yield llm, ns

@@ -353,7 +353,9 @@ class InProcessEngine:
 
         from kvray.testing.engines import engine_kwargs, kvray_transfer_config, worker_connector_of
 
-        self.llm = LLM(**engine_kwargs(model, kv_transfer_config=kvray_transfer_config(namespace)))
+        # what one TP size computes once the other loads (stored at its first sighting)
+        ktc = kvray_transfer_config(namespace, store_seen_only=False)
+        self.llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
         from cross_tp_engine import install_recorder
 
         self.worker = worker_connector_of(self.llm).worker

@@ -79,6 +79,9 @@ def multi_transfer_config(
 ) -> dict[str, Any]:
     """A ``MultiConnector`` of kvray then ExampleConnector; ``policy`` is the engine's (top
     level), ``kvray_policy`` the one written in kvray's own entry (None: not written)."""
+    # both connectors hold a prompt after its first computation ("auto" would leave it
+    # unstored by this tiny model's costs)
+    kvray_extra.setdefault("store_seen_only", False)
     child = kvray_transfer_config(namespace, **kvray_extra)
     del child["kv_load_failure_policy"]
     if kvray_policy is not None:

@@ -91,6 +91,9 @@ def served(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
             served_model_name=MODEL,
             engine_args=ENGINE_ARGS,
             num_cpus=2,  # a whole simulated node each: the replicas land on two nodes
+            # a prompt computed once is found in kvray by the next request (the tiny model's
+            # costs would leave first sightings unstored under the default "auto")
+            kvray_config={"store_seen_only": False},
         )
         # One proxy (the head's): the clients call 127.0.0.1; a proxy per simulated node is ~5 CPU-s
         # of startup for nothing.
