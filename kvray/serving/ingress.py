@@ -176,7 +176,6 @@ def wait_routed(ingress: Ingress, app_name: str, timeout_s: float = ROUTE_TIMEOU
     or restarted just before may answer 404 for a moment after. :class:`KVRayError` if it
     does not within ``timeout_s``."""
     import json
-    import urllib.error
     import urllib.request
 
     host = "127.0.0.1" if ingress.host in _ANY_HOST else ingress.host
