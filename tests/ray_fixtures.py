@@ -37,6 +37,11 @@ def _node_args(resources: dict[str, float], num_cpus: int) -> dict:
         "object_store_memory": OBJECT_STORE_BYTES,
         "resources": resources,
         "include_dashboard": False,
+        # No log monitor: it tails every worker's log file in the session's directory (one
+        # directory for all the simulated nodes: ~1,000 files by the suite's end) to stream
+        # them to drivers, and every driver here runs with log_to_driver=False (kvray's CLI,
+        # the subprocess sessions, this process): ~60 CPU-s of a whole run for nothing.
+        "include_log_monitor": False,
     }
 
 
