@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -43,7 +44,7 @@ from kvray.cluster import ensure_ray, get_control
 from kvray.config import KVRayConfig
 from kvray.errors import BlockLostError, InvalidArgumentError, StoreUnavailableError
 from kvray.feed import Subscriber
-from kvray.meta.ids import key_ids
+from kvray.meta.ids import index_shard_of, key_ids
 from kvray.meta.messages import RAY_NAMESPACE, PutResult, index_name
 from kvray.metrics import ClientMetrics, ViewTally
 
@@ -83,6 +84,10 @@ class Store:
             ClientMetrics.get().export_zero(config.namespace)
         self.io = BlockIO(config, self.tally)
         self.feed: Subscriber | None = None
+        self._index: list[Any] = []  # the index shards' handles (a store with a view)
+        # Blocks a get asked the index about after a lost read, and read from another holder.
+        self._seconds = [0, 0]
+        self._seconds_lock = threading.Lock()
         if subscribe:
             try:
                 self.subscribe(engine_view)
@@ -106,6 +111,7 @@ class Store:
         ]
         feed = Subscriber(cfg.namespace, handles, cfg.get_timeout_s, engine_view=engine_view)
         feed.start()
+        self._index = handles
         self.feed = self.tally.feed = feed
 
     # ------------------------------------------------------------------ guards
@@ -300,9 +306,64 @@ class Store:
     ) -> tuple[dict[int, Read], dict[int, str]]:
         view = self._view("get")
         slots = view.slot_of(ids, view.locs(ids), 0)
-        return self.io.read(
-            keys, ids, 0, slots.tolist(), view.pool_names(), time.monotonic() + timeout, hold
+        pools = view.pool_names()
+        deadline = time.monotonic() + timeout
+        got, lost = self.io.read(keys, ids, 0, slots.tolist(), pools, deadline, hold)
+        if lost:
+            self._second_try(keys, ids, slots, pools, deadline, hold, got, lost)
+        return got, lost
+
+    def _second_try(
+        self,
+        keys: list[bytes],
+        ids: np.ndarray,
+        slots: np.ndarray,
+        pools: dict[int, str],
+        deadline: float,
+        hold: list[tuple[str, int, int]] | None,
+        got: dict[int, Read],
+        lost: dict[int, str],
+    ) -> None:
+        """Read each lost block once more from another pool that holds it whole, as the index
+        shards know now (the view names one holder a block, and can be a batch behind a pool
+        that evicted its copy). Updates ``got`` and ``lost`` in place; counted as
+        ``second_reads`` (asked) and ``second_hits`` (read there)."""
+        idx = np.array(sorted(lost), dtype=np.int64)
+        left = max(0.0, deadline - time.monotonic())
+        owner = index_shard_of(ids[idx], self.num_index_shards)
+        other = np.full(idx.size, -1, dtype=np.int64)
+        refs = {}
+        for o in np.unique(owner).tolist():
+            mine = np.flatnonzero(owner == o)
+            refs[o] = (mine, self._index[o].other_holders.remote(ids[idx[mine]], slots[idx[mine]]))
+        for mine, ref in refs.values():
+            try:
+                other[mine] = ray.get(ref, timeout=left)
+            except Exception as e:  # no second try for these: the first answer stands
+                logger.debug("kvray get: index shard did not name other holders: %s", e)
+        ok = np.flatnonzero((other >= 0) & np.isin(other, list(pools)))
+        self.tally.add(second_reads=int(idx.size))
+        with self._seconds_lock:
+            self._seconds[0] += int(idx.size)
+        if not ok.size:
+            return
+        again = idx[ok]
+        got2, _ = self.io.read(
+            [keys[i] for i in again.tolist()],
+            ids[again],
+            0,
+            other[ok].tolist(),
+            pools,
+            deadline,
+            hold,
         )
+        for j, r in got2.items():
+            i = int(again[j])
+            got[i] = r
+            lost.pop(i, None)
+        self.tally.add(second_hits=len(got2))
+        with self._seconds_lock:
+            self._seconds[1] += len(got2)
 
     def _corrupt(
         self,
@@ -382,6 +443,8 @@ class Store:
             "refused_inflight": self.io.refused_inflight,
             "refused_no_room": self.io.refused_no_room,
             "thread_deaths": self.thread_deaths,
+            "second_reads": self._seconds[0],
+            "second_hits": self._seconds[1],
         }
         ns = self.config.namespace
         return gather_stats(ns, self.num_index_shards, self.io.handle, mine, timeout)

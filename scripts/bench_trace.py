@@ -159,7 +159,9 @@ def key_of(x: int) -> bytes:
 class Engine:
     """One node's engine: lookup, get (every byte checked), put and wait for it."""
 
-    def __init__(self, namespace: str, nbytes: int, segment_bytes: int) -> None:
+    def __init__(
+        self, namespace: str, nbytes: int, segment_bytes: int, second_read: bool = True
+    ) -> None:
         import kvray
 
         # A put larger than the by-value limit goes in pieces this large (by value, when they
@@ -167,6 +169,8 @@ class Engine:
         cfg = kvray.KVRayConfig(namespace=namespace, segment_bytes=segment_bytes)
         self.store = kvray.connect(namespace, cfg)
         self.nbytes = nbytes
+        if not second_read:  # before issue 35's second reads, for comparison in the same run
+            self.store._second_try = lambda *args: None  # type: ignore[method-assign]
 
     def ready(self) -> str:
         import ray
@@ -261,7 +265,10 @@ def replay(
     engine_cls = ray.remote(num_cpus=0)(Engine)
     engines = [
         engine_cls.options(resources={f"sim_node_{i}": 0.01}).remote(
-            ns, a.block_bytes, max(INLINE_BYTES, a.segment_blocks * a.block_bytes)
+            ns,
+            a.block_bytes,
+            max(INLINE_BYTES, a.segment_blocks * a.block_bytes),
+            not a.no_second_read,
         )
         for i in range(a.nodes)
     ]
@@ -295,7 +302,11 @@ def replay(
                         node = next(j for j, n in enumerate(node_ids) if by_node.get(n) == best)
                 results.append(ray.get(engines[node].run.remote([req]), timeout=120))
         wall = time.perf_counter() - t0
-        stats = ray.get(engines[0].stats.remote(), timeout=60)
+        every = ray.get([e.stats.remote() for e in engines], timeout=60)
+        stats = every[0]
+        second = {
+            k: sum(x["client"].get(k, 0) for x in every) for k in ("second_reads", "second_hits")
+        }
     finally:
         if router is not None:
             router.close()
@@ -315,6 +326,7 @@ def replay(
         "req_per_s": len(reqs) / wall,
         "ms": {k: 1000 * statistics.mean(v) for k, v in times.items()},
         "stats": stats,
+        "second": second,
     }
 
 
@@ -355,6 +367,8 @@ def main() -> None:
                    help="rounds of requests the engines work at once (0: unpaced)")  # fmt: skip
     p.set_defaults(concurrent=True)
     p.add_argument("--offline-only", action="store_true")
+    p.add_argument("--no-second-read", action="store_true",
+                   help="a lost read tries no other holder (as before)")  # fmt: skip
     p.add_argument("--home", action="store_true",
                    help="also simulate the pools with each put in its prefix's pool")  # fmt: skip
     p.add_argument("--own-ghosts", action="store_true",
@@ -421,7 +435,9 @@ def main() -> None:
                         f"kvray    {cap:>6} blocks {pol:>9}: hit rate {r['hit_rate']:.4f} "
                         f"({r['hit_rate'] / off[cap]['global_lru']:.3f}x global LRU, "
                         f"{r['hit_rate'] / off[cap]['belady']:.3f}x Belady), "
-                        f"{r['wrong']} wrong bytes, {r['lost']} lost, "
+                        f"{r['wrong']} wrong bytes, {r['lost']} lost "
+                        f"(second reads {r['second']['second_reads']}, read there "
+                        f"{r['second']['second_hits']}), "
                         f"{r['req_per_s']:.1f} req/s; per request ms: lookup {ms['lookup']:.2f} "
                         f"get {ms['get']:.2f} put {ms['put']:.2f} (submit "
                         f"{ms['put_submit']:.2f}) total {ms['total']:.2f}; evictions "

@@ -382,6 +382,13 @@ class IndexShard:
         """Location code of each id (0: not visible)."""
         return self._holders.locs(np.asarray(ids, dtype=np.uint64))
 
+    def other_holders(self, ids: np.ndarray, failed: np.ndarray) -> np.ndarray:
+        """A pool slot other than ``failed[i]`` holding each block whole, or -1
+        (:meth:`HolderTable.other_holder`): a reader's second try after a lost read."""
+        return self._holders.other_holder(
+            np.asarray(ids, dtype=np.uint64), np.asarray(failed, dtype=np.int64)
+        )
+
     def healthy_pools(self) -> int:
         """Pools whose blocks this shard vouches for (adopted and not purged)."""
         return sum(1 for p in self._pools.values() if p.healthy)

@@ -178,6 +178,28 @@ class HolderTable:
                 out.append((int(bid), whole))
         return out
 
+    def other_holder(self, ids: np.ndarray, failed: np.ndarray) -> np.ndarray:
+        """For each of ``ids``, a pool slot other than ``failed[i]`` that holds the block
+        whole (the lowest such slot), or -1: where a reader whose pool had evicted its copy
+        can read the block instead."""
+        out = np.full(ids.size, -1, dtype=np.int64)
+        if not ids.size:
+            return out
+        rows = self.table.find(ids)
+        found = np.flatnonzero(rows >= 0)
+        cols = self.table.cols
+        r = rows[found]
+        full = full_masks(cols["nshards"][r])
+        slot = cols["slot"][r].astype(np.int64)
+        one = (slot < MAX_POOLS) & (cols["mask"][r] == full) & (slot != failed[found])
+        out[found[one]] = slot[one]
+        for j in np.flatnonzero(slot == int(_MULTI)).tolist():
+            held = self.multi.get(int(ids[found[j]]), {})
+            whole = [s for s, m in held.items() if m == int(full[j]) and s != int(failed[found[j]])]
+            if whole:
+                out[found[j]] = min(whole)
+        return out
+
     def visible(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, codes) of every visible block."""
         ids, cols = self.table.items()

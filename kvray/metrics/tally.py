@@ -44,6 +44,14 @@ _CLIENT_COUNTERS = {
     "bytes_loaded": ("kvray_bytes_loaded", "Bytes read from pools by this process"),
     "bytes_stored": ("kvray_bytes_stored", "Bytes handed to pools by this process"),
     "lost": ("kvray_lost_blocks", "Blocks a get could not serve (evicted, dead node, corrupt)"),
+    "second_reads": (
+        "kvray_second_reads",
+        "Blocks a get did not find where its view said and asked the index for another holder",
+    ),
+    "second_hits": (
+        "kvray_second_hits",
+        "Blocks a get read from another holder after its view's holder had lost them",
+    ),
     "tokens_loaded": ("kvray_tokens_loaded", "Prompt tokens loaded from kvray instead of computed"),
     "loads_declined": (
         "kvray_loads_declined",
@@ -141,6 +149,8 @@ class ClientTally:
         self.bytes_loaded = 0
         self.bytes_stored = 0
         self.lost = 0
+        self.second_reads = 0
+        self.second_hits = 0
         self.tokens_loaded = 0
         self.loads_declined = 0
         self.tokens_declined = 0
