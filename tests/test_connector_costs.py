@@ -317,6 +317,38 @@ def test_sightings_measure_how_much_of_what_is_first_seen_is_needed_again() -> N
     assert d.reuse is not None and d.reuse < 0.1
 
 
+def test_sightings_price_each_kind_of_prompt_on_its_own_evidence() -> None:
+    """Prompts over a few shared documents, each with a one-off question after it (vLLM's
+    ``prefix_repetition``): a document first seen in a prompt sharing nothing earlier comes
+    back (beyond vLLM's cache), a question first seen after a known document never does. One
+    ratio over both says half come back; per kind, the documents' reads 1 and the
+    questions' falls towards 0, so a continuing prompt's new blocks stop being stored."""
+    from kvray.connector.sightings import Sightings
+
+    s = Sightings(prior_blocks=4, half_blocks=10_000)
+    docs = [[f"d{d}/{i}".encode() for i in range(8)] for d in range(2)]
+    for r in range(12):
+        doc = docs[r % 2]
+        question = [f"q{r}/{i}".encode() for i in range(8)]
+        s.sight(doc + question, local_blocks=0)  # vLLM's cache holds none of it
+    fresh, continued = s.reuse_of(continued=False), s.reuse_of(continued=True)
+    assert fresh is not None and continued is not None
+    # Fresh: 2 prompts, 32 first sightings (16 documents' blocks, 16 questions'), the 16
+    # documents' blocks back, plus the prior; continued: 10 questions of 8, none back.
+    assert fresh == (16 + 4) / (32 + 4)
+    assert continued == 4 / (80 + 4)
+    assert s.reuse == (16 + 4) / (112 + 4)  # one ratio over both kinds, as before
+    # A conversation: each turn continues the last and its new blocks come back next turn.
+    c = Sightings(prior_blocks=4, half_blocks=10_000)
+    turn: list[bytes] = []
+    for t in range(10):
+        turn = turn + [f"t{t}/{i}".encode() for i in range(4)]
+        c.sight(turn, local_blocks=0)
+    # 9 continuing turns of 4 new blocks; all back but the last turn's (no turn after it).
+    assert c.reuse_of(continued=True) == (32 + 4) / (36 + 4)
+    assert c.reuse_of(continued=False) == (4 + 4) / (4 + 4)  # the first turn's, back
+
+
 def test_auto_doorkeeper_stores_first_sightings_only_while_they_pay(harness_factory: Any) -> None:
     """``store_seen_only="auto"``: stored as before while nothing is measured; once this
     engine's prefill and local loads are measured and few first sightings come back, a new

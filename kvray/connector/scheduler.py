@@ -230,7 +230,7 @@ class KVRayConnectorScheduler:
             )
             if self.seen_only_auto:
                 first = len(request.block_hashes) - state.sighted_blocks
-                reuse = self.sightings.reuse
+                reuse = self.sightings.reuse_of(continued=state.sighted_blocks > 0)
                 state.store_first = self.pricing.first_sightings_pay(reuse, first * bs)
         max_blocks = min(len(request.block_hashes), request.num_tokens // bs)
         start = num_computed_tokens // bs
