@@ -89,6 +89,10 @@ class IndexShard:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._applied = 0
+        # Set (and replaced) whenever a pool's version moves or its health changes: what a
+        # barrier waits for. Not the change log's event: a batch that changes no location
+        # (a second copy behind the one readers read, a hidden copy's removal) records nothing.
+        self._moved: asyncio.Event | None = None
         self._busy_s = 0.0  # CPU time spent applying pool updates
         self._resyncs = 0
         self._metrics = IndexMetrics.disabled()
@@ -204,7 +208,7 @@ class IndexShard:
                 if left <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._feed.event().wait(), timeout=left)
+                    await asyncio.wait_for(self._moved_event().wait(), timeout=left)
         return self._epoch, self._feed.seq if engine else self._feed.cpu_seq
 
     # ------------------------------------------------------------------ updates from pools
@@ -254,8 +258,20 @@ class IndexShard:
             self._apply(pool, pool.version + 1, pool.early.pop(pool.version + 1)[1])
         pool.early_since = time.monotonic() if pool.early else 0.0
 
+    def _moved_event(self) -> asyncio.Event:
+        if self._moved is None:
+            self._moved = asyncio.Event()
+        return self._moved
+
+    def _wake_barriers(self) -> None:
+        """A pool's version moved or its health changed: barriers look again."""
+        if self._moved is not None:
+            self._moved.set()
+            self._moved = None
+
     def _apply(self, pool: _Pool, version: int, batch: ShardBatch) -> None:
         pool.version = version
+        self._wake_barriers()
         t0 = time.thread_time()
         slot = pool.info.slot
         h = self._holders
@@ -301,9 +317,11 @@ class IndexShard:
         self._feed.record(h.replace(slot, inv.ids, inv.shards, inv.nshards))
         pool.incarnation, pool.version, pool.lag_ticks = inv.incarnation, inv.version, 0
         pool.resynced_at = time.monotonic()
+        self._wake_barriers()
         self._catch_up(pool)  # batches sent while the inventory was on its way
         if not pool.healthy:
             pool.healthy = True
+            self._wake_barriers()
             self._nodes_version += 1
             self._feed.notify()
         logger.info(
@@ -332,6 +350,7 @@ class IndexShard:
             )
         if pool.healthy:
             pool.healthy = False
+            self._wake_barriers()
             self._nodes_version += 1
             self._feed.notify()
 
@@ -430,6 +449,7 @@ class IndexShard:
         """Answer every long poll with ``stopped`` (before ``kvray.stop`` kills the actors)."""
         self._stopping = True
         self._feed.notify()
+        self._wake_barriers()
 
 
 def _rss() -> int:
