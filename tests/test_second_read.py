@@ -11,30 +11,21 @@ import numpy as np
 import pytest
 import ray
 from ray_fixtures import started_namespace
-from test_cluster_ghosts import BLOCK, _Writer
+from test_cluster_ghosts import BLOCK, _held, _Writer
 
 from kvray.meta.holders import HolderTable
 from kvray.meta.ids import key_ids
 from kvray.meta.messages import RAY_NAMESPACE, pool_name
 
 
-def _held(h: HolderTable, slot: int, ids: list[int], shards: list[int], nshards: int) -> None:
-    n = len(ids)
-    h.add(
-        slot,
-        np.array(ids, np.uint64),
-        np.array(shards, np.uint16),
-        np.full(n, nshards, np.uint16),
-    )
-
-
 def test_other_holder_names_a_whole_copy_elsewhere_or_none() -> None:
     h = HolderTable()
-    _held(h, 0, [11, 12, 13], [0, 0, 0], 1)
-    _held(h, 2, [12, 13], [0, 0], 1)
-    _held(h, 1, [13], [0], 1)
-    _held(h, 0, [19], [0], 2)  # shard 0 of 2 on pool 0, shard 1 on pool 1: no whole copy
-    _held(h, 1, [19], [1], 2)
+    _held(h, 0, [11, 12, 13])
+    _held(h, 2, [12, 13])
+    _held(h, 1, [13])
+    two = np.full(1, 2, np.uint16)  # shard 0 of 2 on pool 0, shard 1 on pool 1: no whole copy
+    h.add(0, np.array([19], np.uint64), np.zeros(1, np.uint16), two)
+    h.add(1, np.array([19], np.uint64), np.ones(1, np.uint16), two)
     ids = np.array([11, 12, 13, 13, 19, 77, 11], np.uint64)
     failed = np.array([0, 0, 0, 1, 0, 0, 5], np.int64)
     # 11: only pool 0; 12: pool 2 too; 13 (failed at 0): 1 is the lowest other, (at 1): 0;

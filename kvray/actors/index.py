@@ -319,9 +319,8 @@ class IndexShard:
         pool.resynced_at = time.monotonic()
         self._wake_barriers()
         self._catch_up(pool)  # batches sent while the inventory was on its way
-        if not pool.healthy:
+        if not pool.healthy:  # the barriers were woken above
             pool.healthy = True
-            self._wake_barriers()
             self._nodes_version += 1
             self._feed.notify()
         logger.info(
